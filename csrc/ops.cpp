@@ -1,0 +1,28 @@
+// The schemas of the C++ kernels, defined once. Each device registers its implementation in its own
+// file (csrc/cpu, csrc/cuda) with TORCH_LIBRARY_IMPL; Python wraps them in fused_attn/ops.py.
+//
+// Tensors follow fused_attn/problem.py: query (B, H_q, L_q, D_qk), key (B, H_kv, L_k, D_qk),
+// value (B, H_kv, L_k, D_v), any strides; attn_mask a bool or additive view of (B, H_q, L_q, L_k)
+// with stride 0 where it broadcasts; key_padding_mask bool (B, L_k), true = ignore; `out`
+// (B, H_q, L_q, D_v) written in place. The forward returns the log-sum-exp (B, H_q, L_q).
+
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import fused_attn._C` loads this library, which registers the ops below as a side effect.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(fused_attn, m) {
+  m.def(
+      "flash_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
+      "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out) -> Tensor");
+  m.def(
+      "flash_backward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
+      "Tensor? key_padding_mask, bool is_causal, float scale, Tensor out, Tensor lse, "
+      "Tensor grad_out, Tensor? grad_lse) -> (Tensor, Tensor, Tensor)");
+}

@@ -1,0 +1,6 @@
+"""The backends, registered in the order the automatic choice prefers them."""
+
+from . import registry
+from .reference import ReferenceBackend
+
+registry.register(ReferenceBackend())

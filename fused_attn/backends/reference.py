@@ -1,0 +1,102 @@
+"""The einsum formulation: scores, softmax, weighted sum of values. The oracle of every other backend.
+
+It materialises the (L_q, L_k) scores, so its memory grows with L². Everything here is plain
+differentiable PyTorch, so it also serves the calls no fused kernel takes: dropout, and masks that
+require a gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..problem import lse_dtype
+from .base import Backend
+
+
+def _grouped(query: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, H_q, L, D) -> (B, H_kv, G, L, D): query heads grouped by the key/value head they share."""
+    batch, heads_q, length, dim = query.shape
+    return query.reshape(batch, heads_kv, heads_q // heads_kv, length, dim)
+
+
+def masked_scores(query, key, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
+    """Scaled scores (B, H_q, L_q, L_k) in the query's dtype, -inf where a key is hidden."""
+    batch, heads_q, len_q, head_dim = query.shape
+    heads_kv, len_k = key.shape[1], key.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(query, heads_kv), key)
+    scores = scores.reshape(batch, heads_q, len_q, len_k) * scale
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    if is_causal:
+        hidden = torch.ones(len_q, len_k, dtype=torch.bool, device=query.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def probabilities(scores: torch.Tensor) -> torch.Tensor:
+    """Row softmax of masked scores; a row that sees no key is all zeros (never NaN, also in backward)."""
+    sees_a_key = scores.amax(dim=-1, keepdim=True) > float("-inf")
+    safe_scores = torch.where(sees_a_key, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    return torch.where(sees_a_key, torch.softmax(safe_scores, dim=-1), 0.0)
+
+
+def weighted_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """(B, H_q, L_q, L_k) probabilities times (B, H_kv, L_k, D_v) values -> (B, H_q, L_q, D_v)."""
+    batch, heads_q, len_q, _ = probs.shape
+    heads_kv = value.shape[1]
+    out = torch.einsum("bhgqk,bhkd->bhgqd", _grouped(probs, heads_kv), value)
+    return out.reshape(batch, heads_q, len_q, value.shape[-1])
+
+
+def attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
+              dropout_p=0.0, return_weights=False):
+    """Differentiable attention in the inputs' dtype: returns (out, lse) or (out, lse, weights).
+
+    `lse` is in `lse_dtype(query.dtype)`; `weights` are the probabilities after dropout,
+    the ones that multiplied the values.
+    """
+    scores = masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale)
+    lse = torch.logsumexp(scores.to(lse_dtype(scores.dtype)), dim=-1)
+    probs = probabilities(scores)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    out = weighted_values(probs, value)
+    return (out, lse, probs) if return_weights else (out, lse)
+
+
+def _sum_over_groups(grad: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, H_q, L, D) -> (B, H_kv, L, D): a key/value head's gradient gathers its whole query group."""
+    batch, heads_q, length, dim = grad.shape
+    return grad.reshape(batch, heads_kv, heads_q // heads_kv, length, dim).sum(dim=2)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    devices = ("cpu", "cuda")
+
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
+        result, lse = attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale)
+        out.copy_(result)
+        return lse
+
+    def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
+                 grad_out, grad_lse):
+        heads_kv = key.shape[1]
+        probs = probabilities(masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale))
+        grad_value = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", probs, grad_out), heads_kv)
+        grad_probs = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(grad_out, heads_kv), value)
+        grad_probs = grad_probs.reshape(probs.shape)
+        delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1, keepdim=True)
+        if grad_lse is not None:
+            delta = delta - grad_lse.unsqueeze(-1)
+        grad_scores = probs * (grad_probs - delta.to(probs.dtype)) * scale
+        grad_query = weighted_values(grad_scores, key)
+        grad_key = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", grad_scores, query), heads_kv)
+        return grad_query, grad_key, grad_value

@@ -1,0 +1,94 @@
+"""Which backend runs a call: by explicit request, or automatically by device and capability."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from ..problem import Problem
+from .base import Backend
+
+logger = logging.getLogger("fused_attn")
+
+ENV_VARIABLE = "FUSED_ATTN_BACKEND"
+
+# In order of preference: the first that can run a call on its device is chosen automatically.
+_BACKENDS: dict[str, Backend] = {}
+_requested: list[str | None] = [None]
+
+
+class BackendError(ValueError):
+    """An explicitly requested backend cannot run this call; the message lists every backend's reasons."""
+
+
+def register(backend: Backend) -> Backend:
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get(name: str) -> Backend:
+    """The backend called `name`; a ValueError naming the known ones otherwise."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"backend: expected one of {sorted(_BACKENDS)}, got {name!r}") from None
+
+
+def names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def available_backends() -> dict[str, str | None]:
+    """Every backend and why it cannot run on this machine (None when it can)."""
+    return {name: backend.unavailable() for name, backend in _BACKENDS.items()}
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None):
+    """Within the block, calls without `backend=` use `name` (None restores automatic choice)."""
+    if name is not None:
+        get(name)
+    _requested.append(name)
+    try:
+        yield
+    finally:
+        _requested.pop()
+
+
+def requested_backend(explicit: str | None) -> str | None:
+    """The request in force: the argument, else the innermost context manager, else the environment."""
+    if explicit is not None:
+        return explicit
+    if _requested[-1] is not None:
+        return _requested[-1]
+    return os.environ.get(ENV_VARIABLE) or None
+
+
+def reasons(backend: Backend, problem: Problem) -> list[str]:
+    unavailable = backend.unavailable()
+    if unavailable is not None:
+        return [unavailable]
+    return backend.refusals(problem)
+
+
+def choose(problem: Problem, explicit: str | None = None) -> Backend:
+    """The backend for `problem`; BackendError if a requested one cannot run it."""
+    name = requested_backend(explicit)
+    if name is not None:
+        backend = get(name)
+        if not reasons(backend, problem):
+            return backend
+        report = "; ".join(
+            f"{other.name}: {', '.join(reasons(other, problem)) or 'can run it'}"
+            for other in _BACKENDS.values()
+        )
+        raise BackendError(f"backend: {name!r} cannot run this call. Backends: {report}")
+    for backend in _BACKENDS.values():
+        if problem.device.type not in backend.devices:
+            continue
+        refused = reasons(backend, problem)
+        if not refused:
+            return backend
+        logger.debug("fused_attn: %s skipped: %s", backend.name, refused)
+    raise BackendError(f"no backend can run this call on {problem.device}")

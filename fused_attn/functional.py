@@ -1,0 +1,192 @@
+"""The public functions: argument checks -> one Problem -> a backend -> the autograd op."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import ops
+from .backends import reference, registry
+from .problem import Problem
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(name: str, tensor, rank: int, layout: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != rank:
+        raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(tensor.shape)}")
+
+
+def _check_same(name: str, what: str, expected, got) -> None:
+    if expected != got:
+        raise ValueError(f"{name}: expected {what} {expected} (as query), got {got}")
+
+
+def _check_inputs(query, key, value, enable_gqa: bool) -> None:
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, tensor, 4, "(B, H, L, D)")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query: expected a dtype in {SUPPORTED_DTYPES}, got {query.dtype}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise TypeError(f"{name}: expected dtype {query.dtype} (as query), got {tensor.dtype}")
+        if tensor.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} (as query), got {tensor.device}")
+        _check_same(name, "batch size", query.shape[0], tensor.shape[0])
+    if value.shape[1] != key.shape[1]:
+        raise ValueError(f"value: expected {key.shape[1]} heads (as key), got {value.shape[1]}")
+    if value.shape[2] != key.shape[2]:
+        raise ValueError(f"value: expected length {key.shape[2]} (as key), got {value.shape[2]}")
+    _check_same("key", "head dim", query.shape[3], key.shape[3])
+    heads_q, heads_kv = query.shape[1], key.shape[1]
+    if heads_q != heads_kv and not enable_gqa:
+        raise ValueError(f"key: expected {heads_q} heads (as query), got {heads_kv}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"key: expected a number of heads dividing the query's {heads_q}, got {heads_kv}")
+
+
+def _check_options(dropout_p, scale, is_causal) -> None:
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale: expected None or a number, got {type(scale).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+
+
+def _mask_view(attn_mask, query, key):
+    """The mask viewed as (B, H_q, L_q, L_k) with stride 0 where it broadcasts; never copied."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected None or a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype not in (torch.bool, query.dtype):
+        raise TypeError(f"attn_mask: expected dtype torch.bool or {query.dtype} (as query), "
+                        f"got {attn_mask.dtype}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask: expected device {query.device} (as query), got {attn_mask.device}")
+    full = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    try:
+        if attn_mask.dim() > 4 or torch.broadcast_shapes(attn_mask.shape, full) != full:
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(f"attn_mask: expected a shape broadcastable to (B, H_q, L_q, L_k) = {full}, "
+                         f"got {tuple(attn_mask.shape)}") from None
+    return attn_mask.expand(full)
+
+
+def _check_key_padding_mask(key_padding_mask, query, key) -> None:
+    if key_padding_mask is None:
+        return
+    if not isinstance(key_padding_mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask: expected None or a torch.Tensor, "
+                        f"got {type(key_padding_mask).__name__}")
+    if key_padding_mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask: expected dtype torch.bool (True = ignore the key), "
+                        f"got {key_padding_mask.dtype}")
+    expected = (query.shape[0], key.shape[2])
+    if tuple(key_padding_mask.shape) != expected:
+        raise ValueError(f"key_padding_mask: expected shape (B, L_k) = {expected}, "
+                         f"got {tuple(key_padding_mask.shape)}")
+    if key_padding_mask.device != query.device:
+        raise ValueError(f"key_padding_mask: expected device {query.device} (as query), "
+                         f"got {key_padding_mask.device}")
+
+
+def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
+            backend, seq_first):
+    """Checks everything, then runs the chosen backend. Returns (out (B, H_q, L_q, D_v), lse)."""
+    _check_inputs(query, key, value, enable_gqa)
+    _check_options(dropout_p, scale, is_causal)
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend: expected None or a backend name, got {type(backend).__name__}")
+    mask = _mask_view(attn_mask, query, key)
+    _check_key_padding_mask(key_padding_mask, query, key)
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    problem = Problem.of(query, key, value, mask, key_padding_mask, is_causal, float(dropout_p))
+    chosen = registry.choose(problem, backend)
+    # Only the reference takes dropout and masks that need a gradient; it runs as differentiable
+    # eager code then, as it does for empty problems, where there is nothing for a kernel to do.
+    if chosen.name == reference.ReferenceBackend.name and (
+            dropout_p > 0.0 or problem.mask_requires_grad or query.numel() == 0 or key.numel() == 0):
+        return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale,
+                                   float(dropout_p))
+    return ops.attention_fwd(query, key, value, mask, key_padding_mask, is_causal, scale, seq_first,
+                             chosen.name)
+
+
+def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False, *, key_padding_mask=None, return_lse=False, backend=None):
+    """Exact attention, softmax(Q Kᵀ · scale + mask) V, call-compatible with
+    `torch.nn.functional.scaled_dot_product_attention`.
+
+    Args:
+        query: (B, H_q, L_q, D_qk), any strides.
+        key: (B, H_kv, L_k, D_qk), any strides; H_kv == H_q unless `enable_gqa`.
+        value: (B, H_kv, L_k, D_v), any strides.
+        attn_mask: bool (True = attend) or additive, of query's dtype, broadcastable to
+            (B, H_q, L_q, L_k).
+        dropout_p: dropout on the attention weights (applied whenever > 0, as in SDPA).
+        is_causal: query i sees keys j <= i (top-left aligned); may be combined with masks.
+        scale: defaults to 1 / sqrt(D_qk).
+        enable_gqa: allow H_q to be a multiple of H_kv (grouped-query attention).
+        key_padding_mask: bool (B, L_k), True = ignore that key (as nn.MultiheadAttention).
+        return_lse: also return the log-sum-exp of each row, (B, H_q, L_q), float32 (float64
+            for float64 inputs).
+        backend: a name from `available_backends()`; default automatic.
+
+    Returns:
+        (B, H_q, L_q, D_v) in query's dtype, or (output, lse) when `return_lse`. A row that sees
+        no key gives 0 and lse -inf.
+    """
+    out, lse = _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       key_padding_mask, backend, seq_first=False)
+    return (out, lse) if return_lse else out
+
+
+def _split_heads(name: str, tensor, heads: int, batch_first: bool):
+    """(B, L, E) or (L, B, E) -> a (B, H, L, E / H) view of the same storage."""
+    _check_tensor(name, tensor, 3, "(B, L, E)" if batch_first else "(L, B, E)")
+    if tensor.shape[-1] % heads != 0:
+        raise ValueError(f"{name}: expected an embedding size divisible by {heads} heads, "
+                         f"got {tensor.shape[-1]}")
+    heads_view = tensor.unflatten(-1, (heads, tensor.shape[-1] // heads))
+    return heads_view.permute(0, 2, 1, 3) if batch_first else heads_view.permute(1, 2, 0, 3)
+
+
+def split_heads_attention(query, key, value, num_heads, attn_mask=None, dropout_p=0.0, is_causal=False,
+                          scale=None, *, num_kv_heads=None, key_padding_mask=None, batch_first=True,
+                          return_lse=False, backend=None):
+    """Multi-head attention on unsplit (B, L, E) tensors: split heads, attend, merge heads, fused.
+
+    The heads are read through strides (the three slices of one packed (B, L, 3E) projection work
+    as they are) and the output is written straight into the merged layout.
+
+    Args:
+        query: (B, L_q, E_q), or (L_q, B, E_q) when not `batch_first`; E_q = num_heads · D_qk.
+        key: (B, L_k, E_k) with E_k = num_kv_heads · D_qk; likewise (L_k, B, E_k).
+        value: (B, L_k, E_v) with E_v = num_kv_heads · D_v; likewise (L_k, B, E_v).
+        num_heads: H_q. num_kv_heads: H_kv, default H_q (a divisor of H_q for GQA).
+        The other arguments are those of `attention`, masks in (B, H_q, L_q, L_k) terms.
+
+    Returns:
+        (B, L_q, H_q · D_v), or (L_q, B, H_q · D_v) when not `batch_first`; with the log-sum-exp
+        (B, H_q, L_q) when `return_lse`.
+    """
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads: expected a positive int, got {num_kv_heads!r}")
+    q = _split_heads("query", query, num_heads, batch_first)
+    k = _split_heads("key", key, num_kv_heads, batch_first)
+    v = _split_heads("value", value, num_kv_heads, batch_first)
+    out, lse = _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, num_kv_heads != num_heads,
+                       key_padding_mask, backend, seq_first=not batch_first)
+    merged = out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)
+    merged = merged.reshape(*merged.shape[:2], -1)
+    return (merged, lse) if return_lse else merged

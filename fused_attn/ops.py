@@ -1,0 +1,71 @@
+"""The torch.library ops every fused call goes through: forward, backward, their fake kernels, autograd.
+
+The ops take the backend's name as an argument, so one registration serves every backend and
+`torch.compile` sees a single opaque op whichever kernel runs inside it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .backends import registry
+from .problem import lse_dtype, output_like
+
+
+@torch.library.custom_op("fused_attn::attention_fwd", mutates_args=())
+def attention_fwd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+                  key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, seq_first: bool,
+                  backend: str) -> tuple[Tensor, Tensor]:
+    """(B, H_q, L_q, D_v) output, laid out as in `output_like`, and its log-sum-exp (B, H_q, L_q)."""
+    out = output_like(query, value.shape[-1], seq_first)
+    lse = registry.get(backend).forward(query, key, value, attn_mask, key_padding_mask, is_causal,
+                                        scale, out)
+    return out, lse
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, seq_first,
+                        backend):
+    out = output_like(query, value.shape[-1], seq_first)
+    lse = query.new_empty(query.shape[:-1], dtype=lse_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.custom_op("fused_attn::attention_bwd", mutates_args=())
+def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key: Tensor,
+                  value: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
+                  key_padding_mask: Optional[Tensor], is_causal: bool, scale: float,
+                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients with respect to query, key and value."""
+    return registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
+                                          scale, out, lse, grad_out, grad_lse)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
+                        is_causal, scale, backend):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, key_padding_mask, is_causal, scale, _, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask)
+    ctx.is_causal, ctx.scale, ctx.backend = is_causal, scale, backend
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grad_query, grad_key, grad_value = attention_bwd(
+        grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal,
+        ctx.scale, ctx.backend)
+    return grad_query, grad_key, grad_value, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,81 @@
+"""One description of an attention call, shared by the argument checks, the registry and the kernels.
+
+Every backend receives the same tensors:
+
+    query            (B, H_q,  L_q, D_qk)   any strides
+    key              (B, H_kv, L_k, D_qk)   any strides, H_q % H_kv == 0
+    value            (B, H_kv, L_k, D_v)    any strides
+    attn_mask        None, or a bool (True = attend) or floating (added to the scores) tensor viewed
+                     as (B, H_q, L_q, L_k); broadcast dimensions have stride 0, nothing is expanded
+    key_padding_mask None, or a bool (B, L_k) tensor, True = ignore that key
+    out              (B, H_q, L_q, D_v), written in place through its strides
+
+and returns the log-sum-exp of the scaled, masked scores, (B, H_q, L_q) in `lse_dtype(query.dtype)`
+(float32; float64 for float64 inputs), -inf on rows that see no key (whose output is 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a backend needs to know to decide whether it can run a call."""
+
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_k: int
+    head_dim_qk: int
+    head_dim_v: int
+    is_causal: bool
+    dropout_p: float
+    mask_dtype: torch.dtype | None
+    mask_requires_grad: bool
+    has_key_padding_mask: bool
+
+    @classmethod
+    def of(cls, query, key, value, attn_mask, key_padding_mask, is_causal, dropout_p) -> "Problem":
+        batch, heads_q, len_q, head_dim_qk = query.shape
+        _, heads_kv, len_k, head_dim_v = value.shape
+        return cls(
+            device=query.device,
+            dtype=query.dtype,
+            batch=batch,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            len_q=len_q,
+            len_k=len_k,
+            head_dim_qk=head_dim_qk,
+            head_dim_v=head_dim_v,
+            is_causal=is_causal,
+            dropout_p=dropout_p,
+            mask_dtype=None if attn_mask is None else attn_mask.dtype,
+            mask_requires_grad=attn_mask is not None and attn_mask.requires_grad,
+            has_key_padding_mask=key_padding_mask is not None,
+        )
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for every input dtype but float64, whose gradients need a float64 log-sum-exp."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def output_like(query: torch.Tensor, head_dim_v: int, seq_first: bool) -> torch.Tensor:
+    """The output of a call, (B, H_q, L_q, D_v), laid out so that merging heads is a free view.
+
+    Its storage is (B, L_q, H_q, D_v), or (L_q, B, H_q, D_v) when `seq_first`, which is exactly the
+    (B, L, E) or (L, B, E) tensor the out-projection reads.
+    """
+    batch, heads, length, _ = query.shape
+    if seq_first:
+        storage = query.new_empty((length, batch, heads, head_dim_v))
+        return storage.permute(1, 2, 0, 3)
+    storage = query.new_empty((batch, length, heads, head_dim_v))
+    return storage.permute(0, 2, 1, 3)
