@@ -1,0 +1,1 @@
+"""Benchmarks, the correctness check of `make bench` and the static GPU report."""
