@@ -2,5 +2,7 @@
 
 from . import registry
 from .reference import ReferenceBackend
+from .triton import TritonBackend
 
+registry.register(TritonBackend())
 registry.register(ReferenceBackend())

@@ -1,0 +1,80 @@
+"""The `triton` backend: FlashAttention-2 kernels written in Triton (see `triton_kernels`).
+
+Chosen automatically for CUDA tensors. With TRITON_INTERPRET=1 set before the kernels are first
+imported, it also accepts CPU tensors and runs the same kernels through Triton's interpreter; it is
+never chosen automatically for them (`backend="triton"` asks for it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from ..problem import Problem
+from .base import Backend
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _kernels():
+    # Imported on first use so that `triton.jit` reads TRITON_INTERPRET as the caller left it.
+    from . import triton_kernels
+    return triton_kernels
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    devices = ("cuda",)
+
+    def unavailable(self) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        return None
+
+    def refusals(self, problem: Problem) -> list[str]:
+        reasons = []
+        device = problem.device.type
+        if device == "cpu":
+            if not _interpret_requested():
+                reasons.append("CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1)")
+        elif device == "cuda":
+            capability = torch.cuda.get_device_capability(problem.device)
+            if capability < (7, 5):
+                reasons.append(f"needs compute capability 7.5 or newer, got {capability[0]}.{capability[1]}")
+            elif problem.dtype == torch.bfloat16 and capability < (8, 0):
+                reasons.append("bfloat16 needs compute capability 8.0 or newer")
+        else:
+            reasons.append(f"device type {device!r} is not supported")
+        if problem.dtype not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {problem.dtype} is not supported (float16, bfloat16, float32)")
+        for what, dim in (("query/key head dim", problem.head_dim_qk), ("value head dim", problem.head_dim_v)):
+            if not 1 <= dim <= MAX_HEAD_DIM:
+                reasons.append(f"{what} {dim} is outside 1..{MAX_HEAD_DIM}")
+        if problem.dropout_p > 0.0:
+            reasons.append("dropout is not supported")
+        if problem.mask_requires_grad:
+            reasons.append("attn_mask requires grad (no mask gradient)")
+        return reasons
+
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
+        batch, heads_q, len_q, _ = query.shape
+        if out.numel() == 0 or key.shape[2] == 0:
+            # Nothing to launch: no rows, or rows that see no key (output 0, lse -inf).
+            out.zero_()
+            return torch.full((batch, heads_q, len_q), float("-inf"), dtype=torch.float32,
+                              device=query.device)
+        return _kernels().forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out)
+
+    def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
+                 grad_out, grad_lse):
+        if out.numel() == 0 or key.shape[2] == 0:
+            return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        return _kernels().backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                                   out, lse, grad_out, grad_lse)

@@ -1,0 +1,630 @@
+"""The Triton kernels of the `triton` backend and the code that launches them.
+
+FlashAttention-2 in structure:
+
+    forward    one program per (query block, batch, query head); online softmax in fp32 over key
+               blocks, in base 2 with the scale folded into one multiplier; causal blocks beyond the
+               diagonal are not visited. Writes the output and the natural log-sum-exp (fp32).
+    backward   deterministic, no atomics:
+               preprocess  delta = rowsum(dO * O) - grad_lse, one program per query block;
+               dK/dV       one program per (key block, batch, key/value head), looping over the query
+                           heads of its GQA group in a fixed order and, for each, over query blocks;
+               dQ          one program per query block, looping over key blocks.
+
+Every tensor is read and written through its own strides: the slices of a packed projection, permuted
+views, a mask viewed as (B, H_q, L_q, L_k) with stride-0 broadcast dimensions, the output written into
+the merged (B, L, H * D) layout. Nothing is made contiguous. Head dimensions are padded to a power of
+two of at least 16 inside the kernels (with load/store masks), lengths need not be block multiples.
+Offsets are computed in int64, so no tensor or mask size can overflow them.
+
+Precision of fp32 inputs on a GPU: the two matrix products per tile follow
+`torch.backends.cuda.matmul.allow_tf32`, as `torch.matmul` does for PyTorch users: TF32 tensor cores
+("tf32") when it is True, full fp32 products ("ieee") when it is False, which is PyTorch's default.
+fp16 and bf16 operands always use tensor cores with fp32 accumulation; the probabilities and dS are
+rounded to the input dtype before their products, as in FlashAttention. Triton's interpreter ignores
+the precision and computes fp32 products exactly.
+
+This module is imported lazily, on the first launch, so that `triton.jit` sees TRITON_INTERPRET as the
+caller (the test configuration) has set it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE, MASK, KPM,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb, stride_pn,
+    H_Q, GROUP, L_Q, L_K, qk_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
+    # under a causal mask, are scheduled first.
+    num_m = tl.cdiv(L_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = num_m - 1 - pid % num_m
+    pid_bh = pid // num_m
+    off_b = (pid_bh // H_Q).to(tl.int64)
+    off_h = (pid_bh % H_Q).to(tl.int64)
+    off_hkv = off_h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m64 = offs_m.to(tl.int64)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < L_Q
+
+    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
+              + offs_m64[:, None] * stride_qm + offs_dqk[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_m64[:, None] * stride_mm
+    kpm_base = KPM + off_b * stride_pb
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    hi = L_K
+    if IS_CAUSAL:
+        # Query i sees keys j <= i: key blocks past this query block's last row are never visited.
+        hi = tl.minimum(L_K, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n64 = offs_n.to(tl.int64)
+        col_ok = offs_n < L_K
+        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
+        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        visible = col_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if MASK_KIND == 1:
+            attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
+            visible = visible & (attend != 0)
+        if MASK_KIND == 2:
+            bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
+            s = s + bias.to(tl.float32) * 1.4426950408889634
+        if HAS_KPM:
+            padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
+            visible = visible & (padded == 0)[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    # A row with no visible key: output 0, log-sum-exp -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
+              + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, lse, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, GRAD_LSE, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    H_Q, L_Q,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) - grad_lse, fp32, stored (B, H_q, L_q) contiguous."""
+    num_m = tl.cdiv(L_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % num_m
+    pid_bh = pid // num_m
+    off_b = (pid_bh // H_Q).to(tl.int64)
+    off_h = (pid_bh % H_Q).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m64 = offs_m.to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < L_Q
+    tile_ok = row_ok[:, None] & (offs_dv[None, :] < D_V)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m64[:, None] * stride_om
+                + offs_dv[None, :] * stride_od, mask=tile_ok, other=0.0)
+    do = tl.load(DO + off_b * stride_gb + off_h * stride_gh + offs_m64[:, None] * stride_gm
+                 + offs_dv[None, :] * stride_gd, mask=tile_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_GRAD_LSE:
+        # d lse_i / d s_ij = p_ij, so a gradient on the lse enters dS = P * (dP - delta) here.
+        grad_lse = tl.load(GRAD_LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm,
+                           mask=row_ok, other=0.0)
+        delta = delta - grad_lse.to(tl.float32)
+    tl.store(DELTA + pid_bh.to(tl.int64) * L_Q + offs_m64, delta, mask=row_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb, stride_pn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One key block of one key/value head: dK and dV summed over its query heads and query blocks.
+
+    Works on transposed tiles (keys along rows) so that both accumulators are row-major in keys.
+    """
+    num_n = tl.cdiv(L_K, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_n = pid % num_n
+    pid_bh = pid // num_n
+    off_b = (pid_bh // H_KV).to(tl.int64)
+    off_hkv = (pid_bh % H_KV).to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n64 = offs_n.to(tl.int64)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok = offs_n < L_K
+    k = tl.load(K + off_b * stride_kb + off_hkv * stride_kh + offs_n64[:, None] * stride_kn
+                + offs_dqk[None, :] * stride_kd, mask=col_ok[:, None] & (offs_dqk[None, :] < D_QK),
+                other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hkv * stride_vh + offs_n64[:, None] * stride_vn
+                + offs_dv[None, :] * stride_vd, mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+                other=0.0)
+    key_visible = col_ok
+    if HAS_KPM:
+        padded = tl.load(KPM + off_b * stride_pb + offs_n64 * stride_pn, mask=col_ok, other=1)
+        key_visible = key_visible & (padded == 0)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    lo = 0
+    if IS_CAUSAL:
+        # Only queries i >= the block's first key see it: start at the query block holding that row.
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    # The group's query heads in a fixed order, so the sum is the same on every run.
+    for g in range(0, GROUP):
+        off_h = off_hkv * GROUP + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_gb + off_h * stride_gh
+        lse_base = LSE + off_b * stride_lb + off_h * stride_lh
+        delta_base = DELTA + (off_b * H_Q + off_h) * L_Q
+        mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_n64[:, None] * stride_mn
+        for start_m in range(lo, L_Q, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            offs_m64 = offs_m.to(tl.int64)
+            row_ok = offs_m < L_Q
+            q_t = tl.load(q_base + offs_m64[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
+                          mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+            do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            lse = tl.load(lse_base + offs_m64 * stride_lm, mask=row_ok, other=0.0)
+            # Rows that see no key have lse -inf and all p 0; 0 keeps exp2 finite for them.
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+            delta = tl.load(delta_base + offs_m64, mask=row_ok, other=0.0)
+
+            s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
+            visible = key_visible[:, None] & row_ok[None, :]
+            if IS_CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :])
+            if MASK_KIND == 1:
+                attend = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0)
+                visible = visible & (attend != 0)
+            if MASK_KIND == 2:
+                bias = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0.0)
+                s_t = s_t + bias.to(tl.float32) * 1.4426950408889634
+            p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
+
+    dk = dk * sm_scale
+    tl.store(DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n64[:, None] * stride_dkn
+             + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dqk[None, :] < D_QK))
+    tl.store(DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n64[:, None] * stride_dvn
+             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_lb, stride_lh, stride_lm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb, stride_pn,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H_Q, GROUP, L_Q, L_K, qk_scale, sm_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One query block: dQ = dS K * scale over the key blocks it sees."""
+    num_m = tl.cdiv(L_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = num_m - 1 - pid % num_m
+    pid_bh = pid // num_m
+    off_b = (pid_bh // H_Q).to(tl.int64)
+    off_h = (pid_bh % H_Q).to(tl.int64)
+    off_hkv = off_h // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m64 = offs_m.to(tl.int64)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < L_Q
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m64[:, None] * stride_qm
+                + offs_dqk[None, :] * stride_qd, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK),
+                other=0.0)
+    do = tl.load(DO + off_b * stride_gb + off_h * stride_gh + offs_m64[:, None] * stride_gm
+                 + offs_dv[None, :] * stride_gd, mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
+                 other=0.0)
+    lse = tl.load(LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm,
+                  mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * L_Q + offs_m64, mask=row_ok, other=0.0)
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_m64[:, None] * stride_mm
+    kpm_base = KPM + off_b * stride_pb
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    hi = L_K
+    if IS_CAUSAL:
+        hi = tl.minimum(L_K, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n64 = offs_n.to(tl.int64)
+        col_ok = offs_n < L_K
+        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                      mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        visible = col_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if MASK_KIND == 1:
+            attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
+            visible = visible & (attend != 0)
+        if MASK_KIND == 2:
+            bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
+            s = s + bias.to(tl.float32) * 1.4426950408889634
+        if HAS_KPM:
+            padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
+            visible = visible & (padded == 0)[None, :]
+        p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+
+    dq = dq * sm_scale
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m64[:, None] * stride_dqm
+             + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK))
+
+
+KERNELS = {
+    "fwd": _attn_fwd,
+    "bwd_preprocess": _attn_bwd_preprocess,
+    "bwd_dkdv": _attn_bwd_dkdv,
+    "bwd_dq": _attn_bwd_dq,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and launch options of one kernel; BLOCK_M tiles queries, BLOCK_N keys."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"BLOCK_M={self.block_m},BLOCK_N={self.block_n},warps={self.num_warps},stages={self.num_stages}"
+
+    def triton_config(self) -> triton.Config:
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n},
+                             num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# Defaults by kernel, GPU generation (sm_80 table for compute capability < 9, sm_90 from 9 on) and
+# padded head dim (the larger of D_qk and D_v), for 2-byte dtypes. Each fp16/bf16 entry for head dims
+# 64 and 128 is compiled for its target by bench/triton_report.py (tests/test_triton_compile.py): no
+# spills, tensor-core instructions, shared memory within the device limit.
+_DEFAULTS = {
+    ("fwd", "sm_80"): {64: KernelConfig(128, 64, 4, 3), 128: KernelConfig(128, 64, 8, 3),
+                       256: KernelConfig(64, 32, 4, 2)},
+    ("fwd", "sm_90"): {64: KernelConfig(128, 64, 4, 3), 128: KernelConfig(128, 64, 8, 3),
+                       256: KernelConfig(64, 32, 4, 2)},
+    ("bwd_dkdv", "sm_80"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(32, 64, 4, 2),
+                            256: KernelConfig(16, 32, 4, 1)},
+    ("bwd_dkdv", "sm_90"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(32, 64, 4, 2),
+                            256: KernelConfig(16, 32, 4, 1)},
+    ("bwd_dq", "sm_80"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(64, 32, 4, 2),
+                          256: KernelConfig(32, 16, 4, 1)},
+    ("bwd_dq", "sm_90"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(64, 32, 4, 2),
+                          256: KernelConfig(32, 16, 4, 1)},
+}
+PREPROCESS_BLOCK_M = 64
+SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two (at least 16, the smallest `tl.dot` operand) a head dimension is padded to."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def arch_of(capability: tuple[int, int]) -> str:
+    return "sm_90" if capability[0] >= 9 else "sm_80"
+
+
+def default_config(kernel: str, arch: str, head_dim: int, element_size: int) -> KernelConfig:
+    """The default of `kernel` for a padded head dim; fp32 tiles are halved along the looped axis."""
+    table = _DEFAULTS[(kernel, arch)]
+    config = table[min(dim for dim in table if dim >= head_dim)]
+    if element_size > 2:
+        # Twice the bytes per element: halve the tiles streamed through shared memory.
+        if kernel == "fwd" or kernel == "bwd_dq":
+            config = dataclasses.replace(config, block_n=max(16, config.block_n // 2))
+        else:
+            config = dataclasses.replace(config, block_m=max(16, config.block_m // 2))
+    return config
+
+
+def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, block_dv: int,
+                           element_size: int) -> int:
+    """An upper estimate of a config's shared memory, to prune autotuning candidates.
+
+    The streamed operand tiles are buffered `num_stages` deep; the resident tile and the
+    probabilities (or dS) routed through shared memory to the second product count once.
+    """
+    m, n, stages = config.block_m, config.block_n, max(1, config.num_stages)
+    if kernel in ("fwd", "bwd_dq"):
+        streamed = n * (block_dqk + block_dv)
+        resident = m * (block_dqk + block_dv) + m * n
+    else:
+        streamed = m * (block_dqk + block_dv)
+        resident = n * (block_dqk + block_dv) + 2 * m * n
+    return (stages * streamed + resident) * element_size
+
+
+def _candidates(kernel: str) -> list[KernelConfig]:
+    """Autotuning candidates: every default plus neighbours in tile size, warps and stages."""
+    found = []
+    for arch in ("sm_80", "sm_90"):
+        for config in _DEFAULTS[(kernel, arch)].values():
+            for variant in (config,
+                            dataclasses.replace(config, num_stages=config.num_stages + 1),
+                            dataclasses.replace(config, num_warps=8 if config.num_warps == 4 else 4),
+                            dataclasses.replace(config, block_n=config.block_n * 2),
+                            dataclasses.replace(config, block_m=config.block_m * 2)):
+                if variant not in found:
+                    found.append(variant)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------------------
+
+def interpreting() -> bool:
+    """Whether the kernels of this module were built for Triton's interpreter (CPU tensors)."""
+    return type(_attn_fwd).__name__ == "InterpretedFunction"
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _mask_args(attn_mask, key_padding_mask, dummy):
+    """Kernel pointer arguments for the masks; a bool tensor is read as bytes through a free view."""
+    if attn_mask is None:
+        mask, kind, mask_strides = dummy, 0, (0, 0, 0, 0)
+    elif attn_mask.dtype == torch.bool:
+        mask, kind, mask_strides = attn_mask.view(torch.uint8), 1, attn_mask.stride()
+    else:
+        mask, kind, mask_strides = attn_mask, 2, attn_mask.stride()
+    if key_padding_mask is None:
+        padding, padding_strides = dummy, (0, 0)
+    else:
+        padding, padding_strides = key_padding_mask.view(torch.uint8), key_padding_mask.stride()
+    return mask, kind, tuple(mask_strides), padding, tuple(padding_strides)
+
+
+def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse):
+    """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report."""
+    batch, heads_q, len_q, dim_qk = query.shape
+    heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
+    mask, kind, mask_strides, padding, padding_strides = _mask_args(attn_mask, key_padding_mask, query)
+    args = (query, key, value, out, lse, mask, padding,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
+            *mask_strides, *padding_strides,
+            heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e))
+    constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
+                      BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
+                      HAS_KPM=key_padding_mask is not None, IS_CAUSAL=bool(is_causal),
+                      PRECISION=_precision(query.dtype))
+    return args, constexprs
+
+
+def preprocess_args(out, grad_out, grad_lse, delta):
+    batch, heads_q, len_q, dim_v = out.shape
+    glse, glse_strides = (grad_lse, grad_lse.stride()) if grad_lse is not None else (delta, (0, 0, 0))
+    args = (out, grad_out, glse, delta, *out.stride(), *grad_out.stride(), *glse_strides, heads_q, len_q)
+    constexprs = dict(D_V=dim_v, BLOCK_DV=padded_head_dim(dim_v), HAS_GRAD_LSE=grad_lse is not None,
+                      BLOCK_M=PREPROCESS_BLOCK_M)
+    return args, constexprs
+
+
+def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_causal, scale, grad_out, lse,
+                  delta, grads):
+    """(positional args, constexprs) of `_attn_bwd_dkdv` (grads = (dk, dv)) or `_attn_bwd_dq` (grads = (dq,))."""
+    batch, heads_q, len_q, dim_qk = query.shape
+    heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
+    mask, kind, mask_strides, padding, padding_strides = _mask_args(attn_mask, key_padding_mask, query)
+    common = (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *lse.stride(),
+              *mask_strides, *padding_strides)
+    grad_strides = tuple(stride for grad in grads for stride in grad.stride())
+    sizes = (heads_q, heads_kv) if kernel == "bwd_dkdv" else (heads_q,)
+    args = (query, key, value, grad_out, lse, delta, mask, padding, *grads, *common, *grad_strides,
+            *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e), float(scale))
+    constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
+                      BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
+                      HAS_KPM=key_padding_mask is not None, IS_CAUSAL=bool(is_causal),
+                      PRECISION=_precision(query.dtype))
+    return args, constexprs
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("FUSED_ATTN_TRITON_AUTOTUNE", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(index: int) -> tuple[tuple[int, int], int]:
+    properties = triton.runtime.driver.active.utils.get_device_properties(index)
+    return torch.cuda.get_device_capability(index), properties["max_shared_mem"]
+
+
+def _fitting(kernel, configs, tensor, constexprs):
+    """The configs whose estimated shared memory fits the device of `tensor`."""
+    _, max_shared = _device_limits(tensor.device.index or 0)
+    size = tensor.element_size()
+    return [config for config in configs
+            if shared_memory_estimate(kernel, config, constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"],
+                                      size) <= max_shared]
+
+
+def _default_for(kernel, tensor, constexprs) -> KernelConfig:
+    """The default config for this device, or the smallest candidate that fits it if it does not."""
+    head_dim = max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"])
+    if tensor.device.type != "cuda":
+        return default_config(kernel, "sm_80", head_dim, tensor.element_size())
+    capability, _ = _device_limits(tensor.device.index or 0)
+    config = default_config(kernel, arch_of(capability), head_dim, tensor.element_size())
+    if _fitting(kernel, [config], tensor, constexprs):
+        return config
+    smaller = _fitting(kernel, _candidates(kernel), tensor, constexprs)
+    return min(smaller, key=lambda c: (c.block_m * c.block_n, c.num_stages)) if smaller else config
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(kernel: str):
+    """`kernel` autotuned over its candidates, keyed on the problem, pruned to what fits the device."""
+    candidates = _candidates(kernel)
+
+    def prune(configs, named_args, **constexprs):
+        tensor = named_args["Q"]
+        default = _default_for(kernel, tensor, constexprs)
+        fitting = _fitting(kernel, candidates, tensor, constexprs)
+        head_dim = max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"])
+        # Keep the neighbourhood of this head dim's default: tiles no larger than twice its own.
+        near = [c for c in fitting if c.block_m * c.block_n <= 2 * default.block_m * default.block_n
+                and (head_dim < 256 or c.num_stages <= 2)]
+        chosen = [default] + [c for c in near if c != default]
+        return [c.triton_config() for c in chosen]
+
+    key = ["L_Q", "L_K", "GROUP"]
+    return triton.autotune(configs=[c.triton_config() for c in candidates], key=key,
+                           prune_configs_by={"early_config_prune": prune})(KERNELS[kernel])
+
+
+def _launch(kernel: str, programs_along, args, constexprs, tensor):
+    """Runs `kernel`: autotuned on a GPU, at its default config in the interpreter."""
+    if tensor.device.type == "cuda" and _autotune_enabled() and not interpreting():
+        def grid(meta):
+            return (programs_along(meta["BLOCK_M"], meta["BLOCK_N"]),)
+        _autotuned(kernel)[grid](*args, **constexprs)
+        return
+    config = _default_for(kernel, tensor, constexprs)
+    grid = (programs_along(config.block_m, config.block_n),)
+    KERNELS[kernel][grid](*args, **constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                          num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _check_device(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cpu" and not interpreting():
+        raise RuntimeError("the triton kernels were built for the GPU (TRITON_INTERPRET was not set when "
+                           "fused_attn.backends.triton_kernels was first imported); CPU tensors need it")
+
+
+def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out) -> torch.Tensor:
+    """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q)."""
+    _check_device(query)
+    batch, heads_q, len_q, _ = query.shape
+    lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
+    args, constexprs = forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                                    out, lse)
+    _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
+    return lse
+
+
+def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
+             grad_lse):
+    """(dq, dk, dv), each laid out like its input; deterministic (no atomics, fixed summation order)."""
+    _check_device(query)
+    batch, heads_q, len_q, dim_v = out.shape
+    heads_kv, len_k = key.shape[1], key.shape[2]
+    delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
+    args, constexprs = preprocess_args(out, grad_out, grad_lse, delta)
+    grid = (triton.cdiv(len_q, PREPROCESS_BLOCK_M) * batch * heads_q,)
+    KERNELS["bwd_preprocess"][grid](*args, **constexprs, num_warps=4, num_stages=1)
+
+    grad_query, grad_key, grad_value = (torch.empty_like(t) for t in (query, key, value))
+    args, constexprs = backward_args("bwd_dkdv", query, key, value, attn_mask, key_padding_mask, is_causal,
+                                     scale, grad_out, lse, delta, (grad_key, grad_value))
+    _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query)
+    args, constexprs = backward_args("bwd_dq", query, key, value, attn_mask, key_padding_mask, is_causal,
+                                     scale, grad_out, lse, delta, (grad_query,))
+    _launch("bwd_dq", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
+    return grad_query, grad_key, grad_value
