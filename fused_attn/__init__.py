@@ -2,13 +2,16 @@
 
 from .backends.registry import BackendError, available_backends, use_backend
 from .functional import attention, split_heads_attention
+from .modules import MultiheadAttention, replace_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendError",
+    "MultiheadAttention",
     "attention",
     "available_backends",
+    "replace_attention",
     "split_heads_attention",
     "use_backend",
 ]

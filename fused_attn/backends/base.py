@@ -33,7 +33,8 @@ class Backend:
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal: bool, scale: float,
                  out, lse, grad_out, grad_lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns (grad_query, grad_key, grad_value), each the shape of its input.
+        """Returns (grad_query, grad_key, grad_value), each laid out as `torch.empty_like` of its input
+        (the fake kernel promises that layout to torch.compile).
 
         `grad_lse` is None or the gradient flowing into the returned log-sum-exp; since
         d lse_i / d s_ij = p_ij, it enters as `rowsum(dO * O) - grad_lse` in place of `rowsum(dO * O)`.

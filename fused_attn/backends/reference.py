@@ -99,4 +99,5 @@ class ReferenceBackend(Backend):
         grad_scores = probs * (grad_probs - delta.to(probs.dtype)) * scale
         grad_query = weighted_values(grad_scores, key)
         grad_key = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", grad_scores, query), heads_kv)
-        return grad_query, grad_key, grad_value
+        return tuple(torch.empty_like(like).copy_(grad) for grad, like in
+                     ((grad_query, query), (grad_key, key), (grad_value, value)))

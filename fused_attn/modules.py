@@ -1,0 +1,186 @@
+"""`MultiheadAttention`, a drop-in for `torch.nn.MultiheadAttention`, and `replace_attention`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backends import reference
+from .functional import _split_heads, split_heads_attention
+
+
+def _attend_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """nn.MultiheadAttention's mask convention (bool True = hidden) -> ours (bool True = attend)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return ~mask
+    if not mask.is_floating_point():
+        raise TypeError(f"attn_mask: expected a bool or floating mask, got {mask.dtype}")
+    return mask.to(dtype)
+
+
+def _append_key(mask: torch.Tensor | None, visible) -> torch.Tensor | None:
+    """Widens a mask by one key (an appended bias or zero key), visible to every query."""
+    if mask is None:
+        return None
+    return F.pad(mask, (0, 1), value=visible if mask.dtype == torch.bool else 0.0)
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """`torch.nn.MultiheadAttention` whose attention runs through fused_attn.
+
+    Same constructor, parameters (names, shapes, initialisation: state dicts load both ways),
+    forward arguments and return values. Differences: a query that sees no key gives 0 (not NaN);
+    `is_causal=True` is honoured without an `attn_mask` (with one, the mask is taken to be causal, as
+    the hint says, and the causal kernel runs instead of reading it). `backend` selects a fused_attn
+    backend for this module (default: automatic).
+
+    In self-attention the three projections are one GEMM into a packed (…, 3E) tensor whose slices
+    the kernel reads in place; the kernel writes the merged (…, E) layout the out-projection reads.
+    """
+
+    def __init__(self, embed_dim, num_heads, *args, backend: str | None = None, **kwargs):
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
+        if not isinstance(embed_dim, int) or embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim: expected a multiple of num_heads={num_heads}, got {embed_dim!r}")
+        super().__init__(embed_dim, num_heads, *args, **kwargs)
+        self.backend = backend
+
+    def _project(self, query, key, value):
+        """In-projections; self-attention is one GEMM whose (…, 3E) output is sliced, not copied."""
+        embed = self.embed_dim
+        if not self._qkv_same_embed_dim:
+            biases = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+            return (F.linear(query, self.q_proj_weight, biases[0]),
+                    F.linear(key, self.k_proj_weight, biases[1]),
+                    F.linear(value, self.v_proj_weight, biases[2]))
+        weight, bias = self.in_proj_weight, self.in_proj_bias
+        if query is key and key is value:
+            return F.linear(query, weight, bias).unflatten(-1, (3, embed)).unbind(-2)
+        weights = weight.chunk(3)
+        biases = (None,) * 3 if bias is None else bias.chunk(3)
+        q = F.linear(query, weights[0], biases[0])
+        if key is value:
+            kv_bias = None if bias is None else bias[embed:]
+            k, v = F.linear(key, weight[embed:], kv_bias).unflatten(-1, (2, embed)).unbind(-2)
+            return q, k, v
+        return q, F.linear(key, weights[1], biases[1]), F.linear(value, weights[2], biases[2])
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        unbatched = query.dim() == 2
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            expected = 2 if unbatched else 3
+            if tensor.dim() != expected:
+                raise ValueError(f"{name}: expected a {expected}-D tensor (as query), got shape "
+                                 f"{tuple(tensor.shape)}")
+        batch_dim = 0 if self.batch_first else 1
+        if unbatched:
+            query, key, value = (t.unsqueeze(batch_dim) for t in (query, key, value))
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        seq_dim = 1 - batch_dim
+        batch, len_q = query.shape[batch_dim], query.shape[seq_dim]
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query: expected embedding size {self.embed_dim}, got {query.shape[-1]}")
+
+        q, k, v = self._project(query, key, value)
+        attn_mask = _attend_mask(attn_mask, q.dtype)
+        padding = key_padding_mask
+        if self.bias_k is not None:
+            k = torch.cat([k, self.bias_k.expand(*self._one_key(k, batch_dim))], dim=seq_dim)
+            v = torch.cat([v, self.bias_v.expand(*self._one_key(v, batch_dim))], dim=seq_dim)
+            attn_mask, padding = _append_key(attn_mask, True), _append_key(padding, False)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(self._one_key(k, batch_dim))], dim=seq_dim)
+            v = torch.cat([v, v.new_zeros(self._one_key(v, batch_dim))], dim=seq_dim)
+            attn_mask, padding = _append_key(attn_mask, True), _append_key(padding, False)
+        len_k = k.shape[seq_dim]
+        attn_mask = None if is_causal else self._heads_mask(attn_mask, batch, len_q, len_k)
+        attn_mask, padding = self._merge_float_padding(attn_mask, padding, q.dtype)
+
+        dropout_p = self.dropout if self.training else 0.0
+        options = dict(attn_mask=attn_mask, is_causal=is_causal, key_padding_mask=padding)
+        weights = None
+        if need_weights and dropout_p > 0.0:
+            # The weights returned must be the ones (after dropout) that multiplied the values.
+            heads = [_split_heads(n, t, self.num_heads, self.batch_first)
+                     for n, t in (("query", q), ("key", k), ("value", v))]
+            out, _, weights = reference.attention(*heads, attn_mask, padding, is_causal, None,
+                                                  dropout_p, return_weights=True)
+            out = out.permute(0, 2, 1, 3) if self.batch_first else out.permute(2, 0, 1, 3)
+            out = out.flatten(2)
+        else:
+            out = split_heads_attention(q, k, v, self.num_heads, dropout_p=dropout_p,
+                                        batch_first=self.batch_first, backend=self.backend, **options)
+            if need_weights:
+                weights = self._weights(q, k, **options)
+        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        if unbatched:
+            out = out.squeeze(batch_dim)
+            weights = None if weights is None else weights.squeeze(0)
+        return out, weights
+
+    def _one_key(self, tensor, batch_dim):
+        """The shape of one extra key for every batch element, in `tensor`'s layout."""
+        shape = list(tensor.shape)
+        shape[1 - batch_dim] = 1
+        return shape
+
+    def _heads_mask(self, attn_mask, batch, len_q, len_k):
+        """nn.MultiheadAttention's (L, S) or (N·H, L, S) mask as a (N, H, L, S)-broadcastable view."""
+        if attn_mask is None:
+            return None
+        if attn_mask.dim() == 2:
+            expected = (len_q, len_k)
+        elif attn_mask.dim() == 3:
+            expected = (batch * self.num_heads, len_q, len_k)
+        else:
+            raise ValueError(f"attn_mask: expected a 2-D (L, S) or 3-D (N·num_heads, L, S) mask, "
+                             f"got shape {tuple(attn_mask.shape)}")
+        if tuple(attn_mask.shape) != expected:
+            raise ValueError(f"attn_mask: expected shape {expected}, got {tuple(attn_mask.shape)}")
+        return attn_mask if attn_mask.dim() == 2 else attn_mask.unflatten(0, (batch, self.num_heads))
+
+    @staticmethod
+    def _merge_float_padding(attn_mask, padding, dtype):
+        """A float key_padding_mask is additive: fold it into the attention mask (as nn does)."""
+        if padding is None or padding.dtype == torch.bool:
+            return attn_mask, padding
+        if not padding.is_floating_point():
+            raise TypeError(f"key_padding_mask: expected a bool or floating mask, got {padding.dtype}")
+        additive = padding.to(dtype)[:, None, None, :]
+        if attn_mask is None:
+            return additive, None
+        if attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(~attn_mask, float("-inf"))
+        return attn_mask + additive, None
+
+    def _weights(self, q, k, attn_mask, is_causal, key_padding_mask):
+        """The attention weights (N, H, L, S): a second, unfused pass over the scores."""
+        q_heads = _split_heads("query", q, self.num_heads, self.batch_first)
+        k_heads = _split_heads("key", k, self.num_heads, self.batch_first)
+        scores = reference.masked_scores(q_heads, k_heads, attn_mask, key_padding_mask, is_causal)
+        return reference.probabilities(scores)
+
+
+def replace_attention(model: nn.Module, backend: str | None = None) -> nn.Module:
+    """Makes every `nn.MultiheadAttention` in `model` (itself included) a fused one, in place.
+
+    The modules stay the same objects, with the same parameters, buffers and hooks, so optimizers,
+    state dicts and references to them are unaffected. Returns `model`.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention) and not isinstance(module, MultiheadAttention):
+            if module.head_dim * module.num_heads != module.embed_dim:
+                raise ValueError(f"model: embed_dim {module.embed_dim} of an attention module is not "
+                                 f"a multiple of num_heads={module.num_heads}")
+            module.__class__ = MultiheadAttention
+            module.backend = backend
+    return model

@@ -1,0 +1,184 @@
+"""fused_attn.attention and split_heads_attention: semantics, layouts, registry, against SDPA."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_attn
+from fused_attn import ops, testing
+from fused_attn.backends import registry
+
+
+def randn(generator, *shape, dtype=torch.float32):
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("feature", ["plain", "causal", "bool_mask", "additive_mask", "gqa", "scale",
+                                     "lengths", "head_dims"])
+def test_matches_sdpa(generator, dtype, feature):
+    len_q, len_k, dim_v = (7, 11, 5) if feature in ("lengths", "head_dims") else (6, 6, 8)
+    heads_kv = 2 if feature == "gqa" else 4
+    q = randn(generator, 2, 4, len_q, 8, dtype=dtype).requires_grad_()
+    k = randn(generator, 2, heads_kv, len_k, 8, dtype=dtype).requires_grad_()
+    v = randn(generator, 2, heads_kv, len_k, dim_v if feature == "head_dims" else 8,
+              dtype=dtype).requires_grad_()
+    mask = None
+    if feature in ("bool_mask", "additive_mask"):
+        mask = testing.random_mask((2, 1, len_q, len_k), feature.split("_")[0], dtype, generator=generator)
+        mask[..., 0] = True if mask.dtype == torch.bool else 0.0  # no row entirely hidden: SDPA gives NaN
+    kwargs = dict(attn_mask=mask, is_causal=feature == "causal", scale=0.3 if feature == "scale" else None,
+                  enable_gqa=feature == "gqa")
+    ours = fused_attn.attention(q, k, v, **kwargs)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    grad = randn(generator, *theirs.shape, dtype=dtype)
+    ours_grads = torch.autograd.grad(ours, (q, k, v), grad)
+    theirs_grads = torch.autograd.grad(theirs, (q, k, v), grad)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-11)
+    torch.testing.assert_close(ours, theirs, **tolerance)
+    for a, b in zip(ours_grads, theirs_grads):
+        torch.testing.assert_close(a, b, **tolerance)
+
+
+@pytest.mark.parametrize("layouts", [("contiguous", "heads_inner", "seq_first", "packed", "reversed"),
+                                     ("packed", "reversed", "contiguous", "seq_first", "heads_inner"),
+                                     ("reversed", "packed", "heads_inner", "contiguous", "seq_first")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_reference_backend_meets_criterion_with_independent_layouts(generator, layouts, dtype):
+    q_layout, k_layout, v_layout, grad_layout, mask_layout = layouts
+    q, k, v = (testing.strided(randn(generator, *shape).to(dtype), layout).requires_grad_()
+               for shape, layout in (((2, 4, 9, 8), q_layout), ((2, 2, 13, 8), k_layout),
+                                     ((2, 2, 13, 6), v_layout)))
+    mask = testing.strided(testing.random_mask((2, 4, 9, 13), "additive", dtype, generator=generator),
+                           mask_layout)[:, :1]
+    padding = torch.rand(2, 13, generator=generator) < 0.2
+    options = dict(attn_mask=mask, key_padding_mask=padding, is_causal=True)
+    out, lse = fused_attn.attention(q, k, v, enable_gqa=True, return_lse=True, backend="reference", **options)
+    grad_out = testing.strided(randn(generator, *out.shape).to(dtype), grad_layout)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    testing.check_against_reference(testing.Results(out, lse, *grads), q, k, v, grad_out, **options)
+
+
+def test_gradient_through_lse_matches_eager_autograd(generator):
+    q, k, v = (randn(generator, 1, 2, 5, 4, dtype=torch.float64).requires_grad_() for _ in range(3))
+    out, lse = fused_attn.attention(q, k, v, is_causal=True, return_lse=True, backend="reference")
+    loss = out.sum() + (lse * torch.arange(10, dtype=lse.dtype).view(lse.shape)).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    from fused_attn.backends.reference import attention as eager
+    out_e, lse_e = eager(q, k, v, is_causal=True)
+    loss_e = out_e.sum() + (lse_e * torch.arange(10, dtype=lse.dtype).view(lse.shape)).sum()
+    for a, b in zip(grads, torch.autograd.grad(loss_e, (q, k, v))):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(
+        lambda *t: fused_attn.attention(*t, is_causal=True, return_lse=True, backend="reference"), (q, k, v))
+
+
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_gradients(generator):
+    q, k, v = (randn(generator, 1, 2, 4, 8).requires_grad_() for _ in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[1] = False
+    out, lse = fused_attn.attention(q, k, v, attn_mask=mask, return_lse=True)
+    assert (out[:, :, 1] == 0).all() and (lse[:, :, 1] == float("-inf")).all()
+    grad_q, _, _ = torch.autograd.grad(out.sum(), (q, k, v))
+    assert (grad_q[:, :, 1] == 0).all() and torch.isfinite(grad_q).all()
+
+
+def test_mask_requiring_grad_and_dropout_use_the_differentiable_reference(generator):
+    q, k, v = (randn(generator, 1, 2, 4, 8, dtype=torch.float64).requires_grad_() for _ in range(3))
+    bias = randn(generator, 1, 2, 4, 4, dtype=torch.float64).requires_grad_()
+    ours = torch.autograd.grad(fused_attn.attention(q, k, v, attn_mask=bias).sum(), bias)[0]
+    theirs = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum(), bias)[0]
+    torch.testing.assert_close(ours, theirs)
+    torch.manual_seed(3)
+    dropped = fused_attn.attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(dropped, fused_attn.attention(q, k, v, dropout_p=0.5))
+    assert not torch.allclose(dropped, fused_attn.attention(q, k, v))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_split_heads_reads_a_packed_projection_in_place(generator, batch_first, monkeypatch):
+    batch, length, heads, dim = 2, 5, 3, 4
+    shape = (batch, length, 3 * heads * dim) if batch_first else (length, batch, 3 * heads * dim)
+    packed = randn(generator, *shape)
+    q, k, v = packed.chunk(3, dim=-1)
+    seen = []
+    original = ops.attention_fwd
+
+    def spy(query, key, value, *args):
+        seen.extend(t.untyped_storage().data_ptr() for t in (query, key, value))
+        return original(query, key, value, *args)
+
+    monkeypatch.setattr(ops, "attention_fwd", spy)
+    merged = fused_attn.split_heads_attention(q, k, v, heads, is_causal=True, batch_first=batch_first)
+    assert set(seen) == {packed.untyped_storage().data_ptr()}
+    assert merged.is_contiguous() and merged.shape == q.shape
+
+    def heads_of(t):
+        t = t if batch_first else t.transpose(0, 1)
+        return t.reshape(batch, length, heads, dim).transpose(1, 2)
+
+    expected = F.scaled_dot_product_attention(heads_of(q), heads_of(k), heads_of(v), is_causal=True)
+    expected = expected.transpose(1, 2).reshape(batch, length, heads * dim)
+    torch.testing.assert_close(merged if batch_first else merged.transpose(0, 1), expected)
+
+
+def test_split_heads_with_grouped_query_heads(generator):
+    q, k, v = randn(generator, 2, 5, 12), randn(generator, 2, 7, 4), randn(generator, 2, 7, 6)
+    merged = fused_attn.split_heads_attention(q, k, v, 6, num_kv_heads=2)
+    heads = [t.unflatten(-1, (h, -1)).transpose(1, 2) for t, h in ((q, 6), (k, 2), (v, 2))]
+    expected = F.scaled_dot_product_attention(*heads, enable_gqa=True).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(merged, expected)
+
+
+def test_registry_choice_explicit_context_and_environment(generator, monkeypatch):
+    q = randn(generator, 1, 1, 2, 4)
+    backends = fused_attn.available_backends()
+    assert backends["reference"] is None
+    problem = fused_attn.problem.Problem.of(q, q, q, None, None, False, 0.0)
+    assert registry.choose(problem).name in {name for name, why in backends.items() if why is None}
+    assert registry.choose(problem, "reference").name == "reference"
+    monkeypatch.setenv("FUSED_ATTN_BACKEND", "reference")
+    assert registry.choose(problem).name == "reference"
+    monkeypatch.setenv("FUSED_ATTN_BACKEND", "no-such-backend")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        fused_attn.attention(q, q, q)
+    with fused_attn.use_backend("reference"):
+        assert registry.choose(problem).name == "reference"
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        with fused_attn.use_backend("no-such-backend"):
+            pass
+
+
+def test_explicit_backend_that_cannot_run_lists_every_backend(generator):
+    q = randn(generator, 1, 1, 2, 4)
+    refusing = [name for name in registry.names() if name != "reference"]
+    if not refusing:
+        pytest.skip("only the reference backend is registered")
+    for name in refusing:
+        with pytest.raises(fused_attn.BackendError) as error:
+            fused_attn.attention(q, q, q, dropout_p=0.5, backend=name)
+        for other in registry.names():
+            assert f"{other}:" in str(error.value)
+
+
+def test_package_imports_and_runs_without_the_extension():
+    script = (
+        "import sys; sys.modules['fused_attn._C'] = None\n"
+        "import torch, fused_attn\n"
+        "from fused_attn import _extension\n"
+        "assert _extension.missing_reason and 'fused_attn._C' in _extension.missing_reason\n"
+        "reasons = fused_attn.available_backends()\n"
+        "assert reasons['reference'] is None\n"
+        "assert all(reasons[name] for name in ('cpu', 'cuda') if name in reasons), reasons\n"
+        "q = torch.randn(1, 2, 3, 4)\n"
+        "print(fused_attn.attention(q, q, q).shape)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "torch.Size([1, 2, 3, 4])" in result.stdout

@@ -1,0 +1,77 @@
+"""The torch.library ops: opcheck, and torch.compile(fullgraph=True) without graph breaks."""
+
+import pytest
+import torch
+
+import fused_attn
+from fused_attn import ops, testing
+
+
+def cpu_backends():
+    """Backends that run on CPU tensors here (the Triton one only under its interpreter)."""
+    return [name for name, why in fused_attn.available_backends().items() if why is None
+            and name != "cuda"]
+
+
+def sample_inputs(dtype=torch.float32, requires_grad=True):
+    """(args, description) for attention_fwd: features and layouts that the ops must all carry."""
+    generator = torch.Generator().manual_seed(7)
+
+    def tensor(shape, layout):
+        values = torch.randn(shape, generator=generator, dtype=dtype)
+        return testing.strided(values, layout).requires_grad_(requires_grad)
+
+    full = (2, 4, 5, 6)
+    bool_mask = testing.random_mask((1, 1, 5, 6), "bool", dtype, generator=generator).expand(full)
+    additive = testing.random_mask((2, 4, 5, 6), "additive", dtype, generator=generator)
+    padding = torch.rand(2, 6, generator=generator) < 0.3
+    q, k, v = tensor((2, 4, 5, 8), "packed"), tensor((2, 2, 6, 8), "seq_first"), tensor((2, 2, 6, 3), "reversed")
+    return [
+        ((q, k, v, None, None, False, 0.35, False), "gqa, plain"),
+        ((q, k, v, bool_mask, padding, True, 0.35, True), "bool mask, padding, causal, seq-first output"),
+        ((q, k, v, additive, None, False, 1.0, False), "additive mask"),
+    ]
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_opcheck_forward_and_backward(backend):
+    for args, description in sample_inputs():
+        torch.library.opcheck(ops.attention_fwd, (*args, backend))
+        query, key, value = args[:3]
+        out, lse = ops.attention_fwd(*args, backend)
+        grad_out = torch.randn_like(out)
+        bwd_args = (grad_out, None, query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
+                    *args[3:7], backend)
+        torch.library.opcheck(ops.attention_bwd, bwd_args)
+
+
+def test_compiled_function_has_no_graph_breaks():
+    def layer(x, weight):
+        q, k, v = torch.nn.functional.linear(x, weight).chunk(3, dim=-1)
+        return fused_attn.split_heads_attention(q, k, v, num_heads=2, is_causal=True).sum(-1)
+
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    weight = torch.randn(24, 8, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    expected = layer(x, weight)
+    got = compiled(x, weight)
+    torch.testing.assert_close(got, expected)
+    grads = torch.autograd.grad(got.sum(), (x, weight))
+    expected_grads = torch.autograd.grad(expected.sum(), (x, weight))
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compiled_module_has_no_graph_breaks(compiler):
+    torch.manual_seed(0)
+    module = fused_attn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    mask = torch.rand(2, 5) < 0.2
+    mask[:, 0] = False
+    expected, _ = module(x, x, x, key_padding_mask=mask, need_weights=False)
+    compiled = torch.compile(module, fullgraph=True, backend=compiler)
+    got, _ = compiled(x, x, x, key_padding_mask=mask, need_weights=False)
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    assert module.in_proj_weight.grad is not None
