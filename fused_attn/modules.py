@@ -84,8 +84,10 @@ class MultiheadAttention(nn.MultiheadAttention):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         seq_dim = 1 - batch_dim
         batch, len_q = query.shape[batch_dim], query.shape[seq_dim]
-        if query.shape[-1] != self.embed_dim:
-            raise ValueError(f"query: expected embedding size {self.embed_dim}, got {query.shape[-1]}")
+        for name, tensor, size in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                                   ("value", value, self.vdim)):
+            if tensor.shape[-1] != size:
+                raise ValueError(f"{name}: expected embedding size {size}, got {tensor.shape[-1]}")
 
         q, k, v = self._project(query, key, value)
         attn_mask = _attend_mask(attn_mask, q.dtype)
@@ -127,7 +129,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             weights = None if weights is None else weights.squeeze(0)
         return out, weights
 
-    def _one_key(self, tensor, batch_dim):
+    @staticmethod
+    def _one_key(tensor, batch_dim):
         """The shape of one extra key for every batch element, in `tensor`'s layout."""
         shape = list(tensor.shape)
         shape[1 - batch_dim] = 1

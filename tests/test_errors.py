@@ -97,6 +97,12 @@ MODULE_ERRORS = [
     ("query embedding", lambda: fused_attn.MultiheadAttention(8, 2)(torch.randn(3, 2, 6), torch.randn(3, 2, 6),
                                                                    torch.randn(3, 2, 6)), ValueError,
      "query: expected embedding size 8, got 6"),
+    ("value embedding", lambda: fused_attn.MultiheadAttention(8, 2, vdim=5)(
+        torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 4)), ValueError,
+     "value: expected embedding size 5, got 4"),
+    ("key batch", lambda: fused_attn.MultiheadAttention(8, 2)(torch.randn(3, 2, 8), torch.randn(3, 1, 8),
+                                                             torch.randn(3, 1, 8)), ValueError,
+     "key: expected batch size 2"),
     ("key rank", lambda: fused_attn.MultiheadAttention(8, 2)(torch.randn(3, 2, 8), torch.randn(3, 8),
                                                             torch.randn(3, 2, 8)), ValueError,
      "key: expected a 3-D tensor"),

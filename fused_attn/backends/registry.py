@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 
+import torch
+
 from ..problem import Problem
 from .base import Backend
 
@@ -90,5 +92,6 @@ def choose(problem: Problem, explicit: str | None = None) -> Backend:
         refused = reasons(backend, problem)
         if not refused:
             return backend
-        logger.debug("fused_attn: %s skipped: %s", backend.name, refused)
+        if not torch.compiler.is_compiling():
+            logger.debug("fused_attn: %s skipped: %s", backend.name, refused)
     raise BackendError(f"no backend can run this call on {problem.device}")
