@@ -1,0 +1,209 @@
+// The CPU implementations of fused_attn::flash_forward and fused_attn::flash_backward (schemas in
+// csrc/ops.cpp): every assumption of the kernels is checked here, with a message naming the
+// argument, then the kernel of the best instruction set this CPU has runs (see flash_kernel.h).
+
+#include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "flash_params.h"
+
+namespace fused_attn_cpu {
+namespace {
+
+Dtype dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return Dtype::Float32;
+    case at::kDouble:
+      return Dtype::Float64;
+    case at::kBFloat16:
+      return Dtype::BFloat16;
+    case at::kHalf:
+      return Dtype::Float16;
+    default:
+      TORCH_CHECK(false, "query: expected dtype float32, float64, bfloat16 or float16, got ",
+                  t.scalar_type());
+  }
+}
+
+at::ScalarType lse_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+View view_of(const at::Tensor& t) {
+  View v;
+  v.data = t.data_ptr();
+  for (int64_t i = 0; i < t.dim(); ++i) v.s[i] = t.stride(i);
+  return v;
+}
+
+void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t rank,
+                  at::IntArrayRef shape, at::ScalarType dtype) {
+  TORCH_CHECK(t.defined(), op, ": ", name, ": expected a tensor, got an undefined one");
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, ": expected a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, ": expected a strided tensor, got ", t.layout());
+  TORCH_CHECK(t.dim() == rank, op, ": ", name, ": expected a ", rank, "-D tensor, got shape ", t.sizes());
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, ": expected shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, ": expected dtype ", dtype, ", got ",
+              t.scalar_type());
+}
+
+// Shapes, dtypes and devices of query, key, value and the masks; fills everything but outputs.
+Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                const std::optional<at::Tensor>& attn_mask,
+                const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale) {
+  TORCH_CHECK(query.defined() && key.defined() && value.defined(), op,
+              ": query, key and value must be tensors");
+  TORCH_CHECK(query.dim() == 4, op, ": query: expected a 4-D tensor (B, H_q, L_q, D), got shape ",
+              query.sizes());
+  TORCH_CHECK(key.dim() == 4, op, ": key: expected a 4-D tensor (B, H_kv, L_k, D), got shape ",
+              key.sizes());
+  TORCH_CHECK(value.dim() == 4, op, ": value: expected a 4-D tensor (B, H_kv, L_k, D_v), got shape ",
+              value.sizes());
+  Params p;
+  p.dtype = dtype_of(query);
+  p.batch = query.size(0);
+  p.heads_q = query.size(1);
+  p.len_q = query.size(2);
+  p.dim_qk = query.size(3);
+  p.heads_kv = key.size(1);
+  p.len_k = key.size(2);
+  p.dim_v = value.size(3);
+  const auto dtype = query.scalar_type();
+  check_tensor(op, "query", query, 4, query.sizes(), dtype);
+  check_tensor(op, "key", key, 4, {p.batch, p.heads_kv, p.len_k, p.dim_qk}, dtype);
+  check_tensor(op, "value", value, 4, {p.batch, p.heads_kv, p.len_k, p.dim_v}, dtype);
+  TORCH_CHECK(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, op,
+              ": key: expected a number of heads dividing the query's ", p.heads_q, ", got ",
+              p.heads_kv);
+  TORCH_CHECK(std::isfinite(scale), op, ": scale: expected a finite number, got ", scale);
+  p.query = view_of(query);
+  p.key = view_of(key);
+  p.value = view_of(value);
+  p.causal = is_causal;
+  p.scale = scale;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    const at::Tensor& mask = *attn_mask;
+    TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == dtype, op,
+                ": attn_mask: expected dtype bool or ", dtype, " (as query), got ", mask.scalar_type());
+    check_tensor(op, "attn_mask", mask, 4, {p.batch, p.heads_q, p.len_q, p.len_k}, mask.scalar_type());
+    p.mask_kind = mask.scalar_type() == at::kBool ? MaskKind::Bool : MaskKind::Additive;
+    p.mask = view_of(mask);
+  }
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    check_tensor(op, "key_padding_mask", *key_padding_mask, 2, {p.batch, p.len_k}, at::kBool);
+    p.key_padding = view_of(*key_padding_mask);
+  }
+  return p;
+}
+
+void check_output(const at::Tensor& out, std::initializer_list<const at::Tensor*> inputs) {
+  // Written through its strides: two elements sharing memory, or memory shared with an input,
+  // would make the result depend on the order of the writes.
+  at::assert_no_internal_overlap(out);
+  for (const at::Tensor* input : inputs) {
+    if (input != nullptr && input->defined()) at::assert_no_overlap(out, *input);
+  }
+}
+
+// Block sizes and the product, with environment overrides for benchmarking:
+// FUSED_ATTN_CPU_BLOCK_Q, FUSED_ATTN_CPU_BLOCK_K, FUSED_ATTN_CPU_BRGEMM=0.
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  TORCH_CHECK(end != text && *end == '\0' && value > 0 && value <= 4096, name,
+              ": expected an integer in [1, 4096], got '", text, "'");
+  return value;
+}
+
+void choose_tiling(Params& p, bool backward) {
+  // Larger query blocks amortise the packing of each key block over more rows; the forward keeps
+  // a (block_q × block_k) score block per thread in L2.
+  p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
+  p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 128 : 256);
+  p.use_brgemm = env_int("FUSED_ATTN_CPU_BRGEMM", 1) != 0 && p.dtype != Dtype::Float64;
+}
+
+void run(const Params& p, bool backward) {
+  // at::get_cpu_capability() honours ATEN_CPU_CAPABILITY, as ATen's own kernels do.
+  const std::string capability = at::get_cpu_capability();
+#if defined(__x86_64__) || defined(_M_X64)
+  if (capability == "AVX512") {
+    backward ? AVX512::backward(p) : AVX512::forward(p);
+    return;
+  }
+  if (capability == "AVX2") {
+    backward ? AVX2::backward(p) : AVX2::forward(p);
+    return;
+  }
+#endif
+  backward ? DEFAULT::backward(p) : DEFAULT::forward(p);
+}
+
+at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& attn_mask,
+                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                         double scale, const at::Tensor& out) {
+  const char* op = "flash_forward";
+  Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
+  check_output(out, {&query, &key, &value});
+  p.out = view_of(out);
+  at::Tensor lse = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(lse_dtype(query.scalar_type())));
+  p.lse = view_of(lse);
+  choose_tiling(p, false);
+  if (out.numel() == 0 && lse.numel() == 0) return lse;
+  run(p, false);
+  return lse;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse) {
+  const char* op = "flash_backward";
+  Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  const auto dtype = query.scalar_type();
+  const auto stat_dtype = lse_dtype(dtype);
+  check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, dtype);
+  check_tensor(op, "grad_out", grad_out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, dtype);
+  check_tensor(op, "lse", lse, 3, {p.batch, p.heads_q, p.len_q}, stat_dtype);
+  p.out = view_of(out);
+  p.grad_out = view_of(grad_out);
+  p.lse = view_of(lse);
+  if (grad_lse.has_value() && grad_lse->defined()) {
+    check_tensor(op, "grad_lse", *grad_lse, 3, {p.batch, p.heads_q, p.len_q}, stat_dtype);
+    p.grad_lse = view_of(*grad_lse);
+  }
+  at::Tensor grad_query = at::empty_like(query, at::MemoryFormat::Contiguous);
+  at::Tensor grad_key = at::empty_like(key, at::MemoryFormat::Contiguous);
+  at::Tensor grad_value = at::empty_like(value, at::MemoryFormat::Contiguous);
+  at::Tensor delta = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(stat_dtype));
+  p.grad_query = view_of(grad_query);
+  p.grad_key = view_of(grad_key);
+  p.grad_value = view_of(grad_value);
+  p.delta = view_of(delta);
+  choose_tiling(p, true);
+  if (grad_query.numel() == 0 && grad_key.numel() == 0 && grad_value.numel() == 0) {
+    return {grad_query, grad_key, grad_value};
+  }
+  run(p, true);
+  return {grad_query, grad_key, grad_value};
+}
+
+}  // namespace
+}  // namespace fused_attn_cpu
+
+TORCH_LIBRARY_IMPL(fused_attn, CPU, m) {
+  m.impl("flash_forward", &fused_attn_cpu::flash_forward);
+  m.impl("flash_backward", &fused_attn_cpu::flash_backward);
+}

@@ -1,0 +1,634 @@
+// FlashAttention on the CPU: the forward and backward kernels, written once and compiled once per
+// instruction set. The including file defines CPU_CAPABILITY (DEFAULT, AVX2 or AVX512) and the
+// matching CPU_CAPABILITY_* macro first, as ATen does for its own kernels, so that
+// at::vec::Vectorized is the vector type of that instruction set; everything here lives in
+// fused_attn_cpu::CPU_CAPABILITY, so the three copies never share a symbol.
+//
+// Forward: work items are (batch, query head, query block), spread over threads by at::parallel_for.
+// A query block meets the key blocks in turn: S = Q Kᵀ, online softmax (running max m, running sum
+// l, the output accumulator rescaled by exp(m_old - m_new)), O += P V. Scores exist one block at a
+// time, so memory grows with the block sizes, never with L_q × L_k. Causal attention stops at the
+// last key block a query block can see.
+//
+// Backward: work items are (batch, key/value head), which own their dK and dV and the dQ of every
+// query head of their group, so no two threads write the same gradient element and the order of
+// every sum is fixed by the loops alone: the gradients are bit-identical across runs and thread
+// counts. Per key block (outer) and query block (inner) it recomputes S and P = exp(S - lse), forms
+// dP = dO Vᵀ and dS = P (dP - delta), and accumulates dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K.
+//
+// Every tensor is read through its strides: each block is copied ("packed") into a small per-thread
+// buffer in the layout the matrix product wants, which is also where bf16/fp16 operands either stay
+// in their type (oneDNN brgemm, AMX where present) or become float (the fallback product).
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "flash_params.h"
+
+namespace fused_attn_cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename T>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+
+// bf16/fp16 operands go to brgemm in VNNI layout: the reduction dimension in interleaved pairs.
+template <typename ct>
+constexpr bool kVnni = std::is_same_v<ct, c10::BFloat16> || std::is_same_v<ct, c10::Half>;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+constexpr T neg_inf() { return -std::numeric_limits<T>::infinity(); }
+
+// Per-thread scratch, carved into 64-byte aligned pieces; freed even when a check throws.
+class Scratch {
+ public:
+  explicit Scratch(size_t bytes) : base_(static_cast<char*>(c10::alloc_cpu(bytes + 64))) {}
+  ~Scratch() { c10::free_cpu(base_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename T>
+  T* take(int64_t count) {
+    T* piece = reinterpret_cast<T*>(base_ + used_);
+    used_ += static_cast<size_t>(round_up(count * static_cast<int64_t>(sizeof(T)), 64));
+    return piece;
+  }
+  template <typename T>
+  static size_t bytes(int64_t count) {
+    return static_cast<size_t>(round_up(count * static_cast<int64_t>(sizeof(T)), 64));
+  }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Matrix products: C[M×N] (= or +=) A[M×K] · B[K×N], row-major with leading dimensions.
+
+// A register-blocked micro-kernel: MR rows of A against two vectors of B's columns, the
+// 2·MR accumulators staying in registers along K. Used for float64 and wherever brgemm is not.
+template <typename T, int MR, bool kFull>
+inline void micro_tile(int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
+                       int64_t ldc, bool add, int64_t n0, int64_t n1) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  V c0[MR], c1[MR];
+  for (int r = 0; r < MR; ++r) {
+    if (add) {
+      c0[r] = kFull ? V::loadu(C + r * ldc) : V::loadu(C + r * ldc, n0);
+      c1[r] = kFull ? V::loadu(C + r * ldc + W) : (n1 > 0 ? V::loadu(C + r * ldc + W, n1) : V(T(0)));
+    } else {
+      c0[r] = V(T(0));
+      c1[r] = V(T(0));
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const T* b = B + k * ldb;
+    const V b0 = kFull ? V::loadu(b) : V::loadu(b, n0);
+    const V b1 = kFull ? V::loadu(b + W) : (n1 > 0 ? V::loadu(b + W, n1) : V(T(0)));
+    for (int r = 0; r < MR; ++r) {
+      const V a(A[r * lda + k]);
+      c0[r] = at::vec::fmadd(a, b0, c0[r]);
+      c1[r] = at::vec::fmadd(a, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (kFull) {
+      c0[r].store(C + r * ldc);
+      c1[r].store(C + r * ldc + W);
+    } else {
+      c0[r].store(C + r * ldc, n0);
+      if (n1 > 0) c1[r].store(C + r * ldc + W, n1);
+    }
+  }
+}
+
+template <typename T>
+void micro_gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                T* C, int64_t ldc, bool add) {
+  constexpr int64_t W = Vectorized<T>::size();
+  constexpr int MR = 4;
+  for (int64_t j = 0; j < N; j += 2 * W) {
+    const int64_t n0 = std::min<int64_t>(W, N - j);
+    const int64_t n1 = std::max<int64_t>(0, std::min<int64_t>(W, N - j - W));
+    const bool full = n0 == W && n1 == W;
+    int64_t i = 0;
+    for (; i + MR <= M; i += MR) {
+      if (full) {
+        micro_tile<T, MR, true>(K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, add, n0, n1);
+      } else {
+        micro_tile<T, MR, false>(K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, add, n0, n1);
+      }
+    }
+    for (; i < M; ++i) {
+      if (full) {
+        micro_tile<T, 1, true>(K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, add, n0, n1);
+      } else {
+        micro_tile<T, 1, false>(K, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, add, n0, n1);
+      }
+    }
+  }
+}
+
+// The product of each block. `ct` is the operand type: float and double use plain row-major B;
+// bf16/fp16 use brgemm with B in VNNI pairs (K even). C accumulates in float (double for double).
+template <typename ct, typename acc_t>
+void gemm(int64_t M, int64_t N, int64_t K, const ct* A, int64_t lda, const ct* B, int64_t ldb,
+          acc_t* C, int64_t ldc, bool add, bool use_brgemm) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!add) {
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, acc_t(0));
+    }
+    return;
+  }
+  if constexpr (kVnni<ct>) {
+    at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, /*is_vnni=*/true);
+  } else if constexpr (std::is_same_v<ct, float>) {
+    if (use_brgemm) {
+      at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, /*is_vnni=*/false);
+    } else {
+      micro_gemm<float>(M, N, K, A, lda, B, ldb, C, ldc, add);
+    }
+  } else {
+    micro_gemm<ct>(M, N, K, A, lda, B, ldb, C, ldc, add);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing: strided blocks of the inputs into the per-thread operand buffers.
+
+template <typename dst_t, typename src_t>
+inline void copy_row(dst_t* dst, const src_t* src, int64_t stride, int64_t n) {
+  if (stride == 1) {
+    at::vec::convert(src, dst, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<dst_t>(static_cast<float>(src[i * stride]));
+  }
+}
+
+template <>
+inline void copy_row<double, double>(double* dst, const double* src, int64_t stride, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i * stride];
+}
+
+// A operand: dst[m][k] (leading dimension ldk >= K, columns K..ldk zero) = src[m*sm + k*sk].
+template <typename ct, typename st>
+void pack_a(ct* dst, int64_t ldk, const st* src, int64_t sm, int64_t sk, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m) {
+    copy_row(dst + m * ldk, src + m * sm, sk, K);
+    std::fill(dst + m * ldk + K, dst + (m + 1) * ldk, ct(0));
+  }
+}
+
+// B operand, logically B[k][n] = src[k*sk + n*sn] for k < K (rows K..Kpad are zero), n < N.
+// Plain: dst[k*N + n]. VNNI: dst[((k/2)*N + n)*2 + k%2].
+template <typename ct, typename st>
+void pack_b(ct* dst, const st* src, int64_t sk, int64_t sn, int64_t K, int64_t Kpad, int64_t N) {
+  if constexpr (kVnni<ct>) {
+    for (int64_t n = 0; n < N; ++n) {
+      const st* column = src + n * sn;
+      for (int64_t k = 0; k < Kpad; ++k) {
+        dst[((k >> 1) * N + n) * 2 + (k & 1)] =
+            k < K ? static_cast<ct>(static_cast<float>(column[k * sk])) : ct(0);
+      }
+    }
+  } else if (std::abs(sn) <= std::abs(sk)) {  // rows of B are contiguous enough: copy by rows
+    for (int64_t k = 0; k < K; ++k) copy_row(dst + k * N, src + k * sk, sn, N);
+    std::fill(dst + K * N, dst + Kpad * N, ct(0));
+  } else {  // a transpose: walk the source along its short stride
+    for (int64_t n = 0; n < N; ++n) {
+      const st* column = src + n * sn;
+      for (int64_t k = 0; k < K; ++k) dst[k * N + n] = static_cast<ct>(column[k * sk]);
+    }
+    std::fill(dst + K * N, dst + Kpad * N, ct(0));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row operations of the softmax, vectorised.
+
+template <typename T>
+inline Vectorized<T> vexp(const Vectorized<T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp_u20();
+  } else {
+    // float64 is the dtype of exact checks: full-precision exp, one lane at a time.
+    __at_align__ T lanes[Vectorized<T>::size()];
+    x.store(lanes);
+    for (auto& lane : lanes) lane = std::exp(lane);
+    return Vectorized<T>::loadu(lanes);
+  }
+}
+
+// Scaled, masked scores of one row: s[j] = s[j]*scale (+ bias, or -inf where hidden), j < n.
+// Returns the row maximum.
+template <typename acc_t, typename scalar_t>
+acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t b, int64_t h,
+                     int64_t qi, int64_t k0) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vscale(scale);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) (V::loadu(s + j) * vscale).store(s + j);
+  if (j < n) (V::loadu(s + j, n - j) * vscale).store(s + j, n - j);
+  if (p.mask_kind != MaskKind::None) {
+    const int64_t step = p.mask.s[3];
+    const int64_t offset = b * p.mask.s[0] + h * p.mask.s[1] + qi * p.mask.s[2] + k0 * step;
+    if (p.mask_kind == MaskKind::Bool) {
+      const bool* row = static_cast<const bool*>(p.mask.data) + offset;
+      for (int64_t i = 0; i < n; ++i) {
+        if (!row[i * step]) s[i] = neg_inf<acc_t>();
+      }
+    } else {
+      const scalar_t* row = static_cast<const scalar_t*>(p.mask.data) + offset;
+      for (int64_t i = 0; i < n; ++i) s[i] += static_cast<acc_t>(row[i * step]);
+    }
+  }
+  if (p.key_padding.data != nullptr) {
+    const int64_t step = p.key_padding.s[1];
+    const bool* row = static_cast<const bool*>(p.key_padding.data) + b * p.key_padding.s[0] + k0 * step;
+    for (int64_t i = 0; i < n; ++i) {
+      if (row[i * step]) s[i] = neg_inf<acc_t>();
+    }
+  }
+  V vmax(neg_inf<acc_t>());
+  j = 0;
+  for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, V::loadu(s + j));
+  acc_t mx = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, vmax);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// s[j] = exp(s[j] - shift) for j < n; returns their sum. exp(-inf) is 0, so hidden keys vanish.
+template <typename acc_t>
+acc_t exp_row(acc_t* s, int64_t n, acc_t shift) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vshift(shift);
+  const V lowest(std::numeric_limits<acc_t>::lowest());
+  V vsum(acc_t(0));
+  int64_t j = 0;
+  // Clamping at `lowest` keeps -inf - shift finite for the polynomial exp, whose result is then 0.
+  for (; j + W <= n; j += W) {
+    const V e = vexp(at::vec::maximum(V::loadu(s + j) - vshift, lowest));
+    e.store(s + j);
+    vsum = vsum + e;
+  }
+  if (j < n) {
+    const V e = vexp(at::vec::maximum(V::loadu(s + j, n - j) - vshift, lowest));
+    e.store(s + j, n - j);
+    const V mask_tail = V::loadu(s + j, n - j);  // loadu with a count zero-fills the lanes past n
+    vsum = vsum + mask_tail;
+  }
+  return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, vsum);
+}
+
+template <typename T>
+inline void scale_row(T* x, int64_t n, T factor) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  const V f(factor);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) (V::loadu(x + j) * f).store(x + j);
+  if (j < n) (V::loadu(x + j, n - j) * f).store(x + j, n - j);
+}
+
+// Writes acc values, times `factor`, to a strided row of the output type.
+template <typename st, typename acc_t>
+inline void store_row(st* dst, int64_t stride, const acc_t* src, int64_t n, acc_t factor) {
+  for (int64_t j = 0; j < n; ++j) dst[j * stride] = static_cast<st>(src[j] * factor);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+template <typename scalar_t, typename ct>
+void forward_impl(const Params& p) {
+  using acc_t = typename AccType<scalar_t>::type;
+  using lse_t = acc_t;
+  constexpr bool vnni = kVnni<ct>;
+  const int64_t BQ = p.block_q, BK = p.block_k;
+  const int64_t Lq = p.len_q, Lk = p.len_k, D = p.dim_qk, Dv = p.dim_v;
+  const int64_t groups = p.heads_q / p.heads_kv;
+  const int64_t q_blocks = (Lq + BQ - 1) / BQ;
+  const int64_t Dpad = vnni ? round_up(D, 2) : D;
+  const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const bool separate_p = !std::is_same_v<ct, acc_t>;
+  const size_t scratch_bytes = Scratch::bytes<ct>(BQ * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
+                               Scratch::bytes<ct>(BKpad * Dv) + Scratch::bytes<acc_t>(BQ * BK) +
+                               (separate_p ? Scratch::bytes<ct>(BQ * BKpad) : 0) +
+                               Scratch::bytes<acc_t>(BQ * Dv) + 2 * Scratch::bytes<acc_t>(BQ);
+  const auto* Q = static_cast<const scalar_t*>(p.query.data);
+  const auto* K = static_cast<const scalar_t*>(p.key.data);
+  const auto* Vt = static_cast<const scalar_t*>(p.value.data);
+  auto* O = static_cast<scalar_t*>(p.out.data);
+  auto* LSE = static_cast<lse_t*>(p.lse.data);
+
+  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(scratch_bytes);
+    ct* qbuf = scratch.take<ct>(BQ * Dpad);
+    ct* kbuf = scratch.take<ct>(Dpad * BK);
+    ct* vbuf = scratch.take<ct>(BKpad * Dv);
+    acc_t* sbuf = scratch.take<acc_t>(BQ * BK);
+    ct* pbuf = separate_p ? scratch.take<ct>(BQ * BKpad) : reinterpret_cast<ct*>(sbuf);
+    acc_t* obuf = scratch.take<acc_t>(BQ * Dv);
+    acc_t* row_max = scratch.take<acc_t>(BQ);
+    acc_t* row_sum = scratch.take<acc_t>(BQ);
+
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t qb = item % q_blocks;
+      const int64_t h = (item / q_blocks) % p.heads_q;
+      const int64_t b = item / (q_blocks * p.heads_q);
+      const int64_t hk = h / groups;
+      const int64_t q0 = qb * BQ;
+      const int64_t bq = std::min(BQ, Lq - q0);
+      const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + q0 * p.query.s[2];
+      const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
+      const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
+      pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], bq, D);
+      std::fill(row_max, row_max + bq, neg_inf<acc_t>());
+      std::fill(row_sum, row_sum + bq, acc_t(0));
+      std::fill(obuf, obuf + bq * Dv, acc_t(0));
+
+      // Causal: query i sees keys j <= i, so this block needs keys below q0 + bq only.
+      const int64_t k_end = p.causal ? std::min(Lk, q0 + bq) : Lk;
+      for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
+        const int64_t bk = std::min(BK, k_end - k0);
+        const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
+        const int64_t ldp = separate_p ? bkpad : bk;
+        // Kᵀ block as B (D × bk); V block as B (bk × Dv).
+        pack_b(kbuf, k_head + k0 * p.key.s[2], p.key.s[3], p.key.s[2], D, Dpad, bk);
+        gemm<ct, acc_t>(bq, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+        pack_b(vbuf, v_head + k0 * p.value.s[2], p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+
+        for (int64_t r = 0; r < bq; ++r) {
+          acc_t* srow = sbuf + r * bk;
+          ct* prow = pbuf + r * ldp;
+          const int64_t qi = q0 + r;
+          const int64_t visible = p.causal ? std::clamp<int64_t>(qi - k0 + 1, 0, bk) : bk;
+          const acc_t block_max =
+              prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
+          const acc_t m_old = row_max[r];
+          const acc_t m_new = std::max(m_old, block_max);
+          if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
+            std::fill(prow, prow + ldp, ct(0));
+            continue;
+          }
+          const acc_t alpha = std::exp(m_old - m_new);  // 0 when m_old is -inf
+          const acc_t sum = exp_row(srow, visible, m_new);
+          if constexpr (std::is_same_v<ct, acc_t>) {
+            std::fill(srow + visible, srow + bk, acc_t(0));
+          } else {
+            at::vec::convert(srow, prow, visible);
+            std::fill(prow + visible, prow + ldp, ct(0));
+          }
+          row_sum[r] = row_sum[r] * alpha + sum;
+          row_max[r] = m_new;
+          if (alpha != acc_t(1)) scale_row(obuf + r * Dv, Dv, alpha);
+        }
+        gemm<ct, acc_t>(bq, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, true, p.use_brgemm);
+      }
+
+      for (int64_t r = 0; r < bq; ++r) {
+        const int64_t qi = q0 + r;
+        const bool seen = row_sum[r] > acc_t(0);
+        scalar_t* o_row = O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2];
+        store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, seen ? acc_t(1) / row_sum[r] : acc_t(0));
+        LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]] =
+            seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<lse_t>();
+      }
+    }
+    if (vnni || (std::is_same_v<ct, float> && p.use_brgemm)) at::native::cpublas::brgemm_release(vnni);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+
+// delta = rowsum(dO * O) - grad_lse, one value per query row, in the accumulation type.
+template <typename scalar_t>
+void compute_delta(const Params& p) {
+  using acc_t = typename AccType<scalar_t>::type;
+  const auto* O = static_cast<const scalar_t*>(p.out.data);
+  const auto* dO = static_cast<const scalar_t*>(p.grad_out.data);
+  const auto* grad_lse = static_cast<const acc_t*>(p.grad_lse.data);
+  auto* delta = static_cast<acc_t*>(p.delta.data);
+  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
+      const scalar_t* o = O + b * p.out.s[0] + h * p.out.s[1] + i * p.out.s[2];
+      const scalar_t* g = dO + b * p.grad_out.s[0] + h * p.grad_out.s[1] + i * p.grad_out.s[2];
+      acc_t sum = 0;
+      for (int64_t d = 0; d < p.dim_v; ++d) {
+        sum += static_cast<acc_t>(o[d * p.out.s[3]]) * static_cast<acc_t>(g[d * p.grad_out.s[3]]);
+      }
+      if (grad_lse != nullptr) {
+        sum -= grad_lse[b * p.grad_lse.s[0] + h * p.grad_lse.s[1] + i * p.grad_lse.s[2]];
+      }
+      delta[b * p.delta.s[0] + h * p.delta.s[1] + i * p.delta.s[2]] = sum;
+    }
+  });
+}
+
+template <typename scalar_t, typename ct>
+void backward_impl(const Params& p) {
+  using acc_t = typename AccType<scalar_t>::type;
+  constexpr bool vnni = kVnni<ct>;
+  compute_delta<scalar_t>(p);
+  const int64_t BQ = p.block_q, BK = p.block_k;
+  const int64_t Lq = p.len_q, Lk = p.len_k, D = p.dim_qk, Dv = p.dim_v;
+  const int64_t groups = p.heads_q / p.heads_kv;
+  const int64_t Dpad = vnni ? round_up(D, 2) : D;
+  const int64_t Dvpad = vnni ? round_up(Dv, 2) : Dv;
+  const int64_t BQpad = vnni ? round_up(BQ, 2) : BQ;
+  const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const size_t scratch_bytes =
+      Scratch::bytes<ct>(Dpad * BK) + Scratch::bytes<ct>(Dvpad * BK) + Scratch::bytes<ct>(BKpad * D) +
+      Scratch::bytes<ct>(BQ * Dpad) + Scratch::bytes<ct>(BQ * Dvpad) + Scratch::bytes<ct>(BQpad * D) +
+      Scratch::bytes<ct>(BQpad * Dv) + 2 * Scratch::bytes<acc_t>(BQ * BK) +
+      2 * Scratch::bytes<ct>(BK * BQpad) + Scratch::bytes<ct>(BQ * BKpad) +
+      Scratch::bytes<acc_t>(BK * D) + Scratch::bytes<acc_t>(BK * Dv) +
+      Scratch::bytes<acc_t>(groups * Lq * D);
+  const auto* Q = static_cast<const scalar_t*>(p.query.data);
+  const auto* K = static_cast<const scalar_t*>(p.key.data);
+  const auto* Vt = static_cast<const scalar_t*>(p.value.data);
+  const auto* dO = static_cast<const scalar_t*>(p.grad_out.data);
+  const auto* LSE = static_cast<const acc_t*>(p.lse.data);
+  const auto* delta = static_cast<const acc_t*>(p.delta.data);
+  auto* dQ = static_cast<scalar_t*>(p.grad_query.data);
+  auto* dK = static_cast<scalar_t*>(p.grad_key.data);
+  auto* dV = static_cast<scalar_t*>(p.grad_value.data);
+
+  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(scratch_bytes);
+    ct* kt_b = scratch.take<ct>(Dpad * BK);     // Kᵀ block as B of S = Q Kᵀ
+    ct* vt_b = scratch.take<ct>(Dvpad * BK);    // Vᵀ block as B of dP = dO Vᵀ
+    ct* k_b = scratch.take<ct>(BKpad * D);      // K block as B of dQ += dS K
+    ct* q_a = scratch.take<ct>(BQ * Dpad);      // Q block as A
+    ct* do_a = scratch.take<ct>(BQ * Dvpad);    // dO block as A
+    ct* q_b = scratch.take<ct>(BQpad * D);      // Q block as B of dK += dSᵀ Q
+    ct* do_b = scratch.take<ct>(BQpad * Dv);    // dO block as B of dV += Pᵀ dO
+    acc_t* sbuf = scratch.take<acc_t>(BQ * BK);
+    acc_t* dpbuf = scratch.take<acc_t>(BQ * BK);
+    ct* pt = scratch.take<ct>(BK * BQpad);      // Pᵀ
+    ct* dst = scratch.take<ct>(BK * BQpad);     // dSᵀ
+    ct* ds = scratch.take<ct>(BQ * BKpad);      // dS
+    acc_t* dk_acc = scratch.take<acc_t>(BK * D);
+    acc_t* dv_acc = scratch.take<acc_t>(BK * Dv);
+    acc_t* dq_acc = scratch.take<acc_t>(groups * Lq * D);
+
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t hk = item % p.heads_kv;
+      const int64_t b = item / p.heads_kv;
+      const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
+      const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
+      std::fill(dq_acc, dq_acc + groups * Lq * D, acc_t(0));
+
+      for (int64_t k0 = 0; k0 < Lk; k0 += BK) {
+        const int64_t bk = std::min(BK, Lk - k0);
+        const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
+        const scalar_t* k_ptr = k_head + k0 * p.key.s[2];
+        const scalar_t* v_ptr = v_head + k0 * p.value.s[2];
+        pack_b(kt_b, k_ptr, p.key.s[3], p.key.s[2], D, Dpad, bk);
+        pack_b(vt_b, v_ptr, p.value.s[3], p.value.s[2], Dv, Dvpad, bk);
+        pack_b(k_b, k_ptr, p.key.s[2], p.key.s[3], bk, bkpad, D);
+        std::fill(dk_acc, dk_acc + bk * D, acc_t(0));
+        std::fill(dv_acc, dv_acc + bk * Dv, acc_t(0));
+
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t h = hk * groups + g;
+          // Causal: rows below k0 see none of these keys; start at the block holding row k0.
+          const int64_t q_start = p.causal ? (k0 / BQ) * BQ : 0;
+          for (int64_t q0 = q_start; q0 < Lq; q0 += BQ) {
+            const int64_t bq = std::min(BQ, Lq - q0);
+            const int64_t bqpad = vnni ? round_up(bq, 2) : bq;
+            const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + q0 * p.query.s[2];
+            const scalar_t* do_ptr =
+                dO + b * p.grad_out.s[0] + h * p.grad_out.s[1] + q0 * p.grad_out.s[2];
+            pack_a(q_a, Dpad, q_ptr, p.query.s[2], p.query.s[3], bq, D);
+            pack_a(do_a, Dvpad, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, Dv);
+            pack_b(q_b, q_ptr, p.query.s[2], p.query.s[3], bq, bqpad, D);
+            pack_b(do_b, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, bqpad, Dv);
+            gemm<ct, acc_t>(bq, bk, Dpad, q_a, Dpad, kt_b, bk, sbuf, bk, false, p.use_brgemm);
+            gemm<ct, acc_t>(bq, bk, Dvpad, do_a, Dvpad, vt_b, bk, dpbuf, bk, false, p.use_brgemm);
+
+            for (int64_t r = 0; r < bq; ++r) {
+              const int64_t qi = q0 + r;
+              acc_t* srow = sbuf + r * bk;
+              acc_t* dprow = dpbuf + r * bk;
+              const int64_t visible = p.causal ? std::clamp<int64_t>(qi - k0 + 1, 0, bk) : bk;
+              prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
+              acc_t lse = LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]];
+              // A row that saw no key has lse -inf; +inf makes every P of it 0.
+              if (lse == neg_inf<acc_t>()) lse = std::numeric_limits<acc_t>::infinity();
+              const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
+              exp_row(srow, visible, lse);  // srow now holds P
+              for (int64_t j = 0; j < visible; ++j) dprow[j] = srow[j] * (dprow[j] - d);
+              for (int64_t j = visible; j < bk; ++j) srow[j] = dprow[j] = acc_t(0);
+              for (int64_t j = 0; j < bk; ++j) {
+                pt[j * bqpad + r] = static_cast<ct>(srow[j]);
+                dst[j * bqpad + r] = static_cast<ct>(dprow[j]);
+              }
+              copy_row(ds + r * bkpad, dprow, 1, bk);
+              if (bkpad > bk) ds[r * bkpad + bk] = ct(0);
+            }
+            for (int64_t r = bq; r < bqpad; ++r) {
+              for (int64_t j = 0; j < bk; ++j) pt[j * bqpad + r] = dst[j * bqpad + r] = ct(0);
+            }
+            gemm<ct, acc_t>(bk, Dv, bqpad, pt, bqpad, do_b, Dv, dv_acc, Dv, true, p.use_brgemm);
+            gemm<ct, acc_t>(bk, D, bqpad, dst, bqpad, q_b, D, dk_acc, D, true, p.use_brgemm);
+            gemm<ct, acc_t>(bq, D, bkpad, ds, bkpad, k_b, D, dq_acc + (g * Lq + q0) * D, D, true,
+                            p.use_brgemm);
+          }
+        }
+        for (int64_t j = 0; j < bk; ++j) {
+          const int64_t kj = k0 + j;
+          store_row(dK + b * p.grad_key.s[0] + hk * p.grad_key.s[1] + kj * p.grad_key.s[2],
+                    p.grad_key.s[3], dk_acc + j * D, D, scale);
+          store_row(dV + b * p.grad_value.s[0] + hk * p.grad_value.s[1] + kj * p.grad_value.s[2],
+                    p.grad_value.s[3], dv_acc + j * Dv, Dv, acc_t(1));
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t h = hk * groups + g;
+        for (int64_t i = 0; i < Lq; ++i) {
+          store_row(dQ + b * p.grad_query.s[0] + h * p.grad_query.s[1] + i * p.grad_query.s[2],
+                    p.grad_query.s[3], dq_acc + (g * Lq + i) * D, D, scale);
+        }
+      }
+    }
+    if (vnni || (std::is_same_v<ct, float> && p.use_brgemm)) at::native::cpublas::brgemm_release(vnni);
+  });
+}
+
+// float and float64 multiply in their own type; bf16/fp16 keep their type for brgemm where the CPU
+// has a bf16/fp16 brgemm (could_pack), and become float otherwise.
+template <template <typename, typename> class Run>
+void dispatch(const Params& p) {
+  switch (p.dtype) {
+    case Dtype::Float32:
+      Run<float, float>::run(p);
+      break;
+    case Dtype::Float64:
+      Run<double, double>::run(p);
+      break;
+    case Dtype::BFloat16:
+      if (p.use_brgemm && at::native::cpublas::could_pack(at::kBFloat16)) {
+        Run<c10::BFloat16, c10::BFloat16>::run(p);
+      } else {
+        Run<c10::BFloat16, float>::run(p);
+      }
+      break;
+    case Dtype::Float16:
+      if (p.use_brgemm && at::native::cpublas::could_pack(at::kHalf)) {
+        Run<c10::Half, c10::Half>::run(p);
+      } else {
+        Run<c10::Half, float>::run(p);
+      }
+      break;
+  }
+}
+
+template <typename scalar_t, typename ct>
+struct RunForward {
+  static void run(const Params& p) { forward_impl<scalar_t, ct>(p); }
+};
+template <typename scalar_t, typename ct>
+struct RunBackward {
+  static void run(const Params& p) { backward_impl<scalar_t, ct>(p); }
+};
+
+}  // namespace
+
+void forward(const Params& p) { dispatch<RunForward>(p); }
+void backward(const Params& p) { dispatch<RunBackward>(p); }
+
+}  // namespace CPU_CAPABILITY
+}  // namespace fused_attn_cpu

@@ -1,0 +1,57 @@
+// The plain description of one forward or backward call that the CPU kernels receive.
+//
+// The kernels are compiled once per instruction set (kernel_default.cpp, kernel_isa_avx2.cpp,
+// kernel_isa_avx512.cpp) and chosen at run time, as ATen chooses its own CPU kernels. They see no
+// at::Tensor: attention_cpu.cpp checks every tensor and fills this struct with raw pointers and
+// element strides, so the per-instruction-set files stay small and free of Tensor code.
+#pragma once
+
+#include <cstdint>
+
+namespace fused_attn_cpu {
+
+enum class Dtype { Float32, Float64, BFloat16, Float16 };
+enum class MaskKind { None, Bool, Additive };
+
+// A strided view: element (i0, i1, i2, i3) lives at data + i0*s[0] + i1*s[1] + i2*s[2] + i3*s[3].
+struct View {
+  void* data = nullptr;
+  int64_t s[4] = {0, 0, 0, 0};
+};
+
+struct Params {
+  Dtype dtype = Dtype::Float32;
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_k = 0, dim_qk = 0, dim_v = 0;
+  View query, key, value;  // (B, H_q, L_q, D_qk), (B, H_kv, L_k, D_qk), (B, H_kv, L_k, D_v)
+  MaskKind mask_kind = MaskKind::None;
+  View mask;               // (B, H_q, L_q, L_k), stride 0 where it broadcasts
+  View key_padding;        // bool (B, L_k) in s[0], s[1]; data null when absent
+  bool causal = false;
+  double scale = 1.0;
+  View out;                // (B, H_q, L_q, D_v)
+  View lse;                // (B, H_q, L_q) in s[0..2]; float32, or float64 for float64 inputs
+  // Backward only.
+  View grad_out;           // (B, H_q, L_q, D_v)
+  View delta;              // (B, H_q, L_q) accumulation type: rowsum(dO * O) - grad_lse, filled by the kernel
+  View grad_lse;           // (B, H_q, L_q) lse dtype, data null when absent
+  View grad_query, grad_key, grad_value;
+  // Tiling and the product used for the two matrix products of each block.
+  int64_t block_q = 64, block_k = 64;
+  bool use_brgemm = true;  // oneDNN micro-kernels through at::native::cpublas::brgemm, where usable
+};
+
+// One entry point per instruction set; `capability` in attention_cpu.cpp picks one.
+namespace DEFAULT {
+void forward(const Params& p);
+void backward(const Params& p);
+}  // namespace DEFAULT
+namespace AVX2 {
+void forward(const Params& p);
+void backward(const Params& p);
+}  // namespace AVX2
+namespace AVX512 {
+void forward(const Params& p);
+void backward(const Params& p);
+}  // namespace AVX512
+
+}  // namespace fused_attn_cpu
