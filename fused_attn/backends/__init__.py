@@ -1,8 +1,10 @@
 """The backends, registered in the order the automatic choice prefers them."""
 
 from . import registry
+from .cpu import CpuBackend
 from .reference import ReferenceBackend
 from .triton import TritonBackend
 
 registry.register(TritonBackend())
+registry.register(CpuBackend())
 registry.register(ReferenceBackend())
