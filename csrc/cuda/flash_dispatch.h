@@ -1,0 +1,275 @@
+// Host side of the `cuda` backend, shared by the real build (flash_cuda.cu) and the CPU emulation of
+// the tests (tests/emulation/flash_emulated.cpp): every TORCH_CHECK on the arguments, the kernel
+// parameters taken from the tensors, the choice of template instance and the launch shapes. How a
+// kernel is launched is the caller's `launch(kernel, LaunchShape, params)`; devices are checked by
+// the caller too (CUDA tensors there, CPU tensors in the emulation).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstddef>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "flash_kernels.cuh"
+
+namespace fused_attn_cuda {
+
+struct LaunchShape {
+  unsigned grid[3];
+  unsigned block;
+  std::size_t shared_bytes;
+};
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+template <typename T>
+struct ScalarTypeOf;
+template <>
+struct ScalarTypeOf<__half> {
+  static constexpr at::ScalarType value = at::kHalf;
+};
+template <>
+struct ScalarTypeOf<__nv_bfloat16> {
+  static constexpr at::ScalarType value = at::kBFloat16;
+};
+template <>
+struct ScalarTypeOf<float> {
+  static constexpr at::ScalarType value = at::kFloat;
+};
+
+// Calls fn(TypeTag<T>{}, std::integral_constant<int, HEAD>{}) with the shipped instance that
+// serves `dtype` and a largest head dim of `head_dim`.
+template <typename Fn>
+void dispatch_instance(at::ScalarType dtype, int64_t head_dim, Fn&& fn) {
+  const int head = head_dim <= kMaxHeadDim ? padded_head_dim(static_cast<int>(head_dim)) : 0;
+#define FUSED_ATTN_CUDA_DISPATCH(T, D)                  \
+  if (dtype == ScalarTypeOf<T>::value && head == D) {   \
+    fn(TypeTag<T>{}, std::integral_constant<int, D>{}); \
+    return;                                             \
+  }
+  FUSED_ATTN_CUDA_FOR_EACH_INSTANCE(FUSED_ATTN_CUDA_DISPATCH)
+#undef FUSED_ATTN_CUDA_DISPATCH
+  TORCH_CHECK(false, "fused_attn cuda: no kernel for dtype ", dtype, " and head dim ", head_dim);
+}
+
+inline unsigned ceil_div(int64_t n, int64_t d) { return static_cast<unsigned>((n + d - 1) / d); }
+
+inline void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected) {
+  TORCH_CHECK(t.sizes() == expected, "fused_attn cuda: ", name, " must have shape ", expected,
+              ", got ", t.sizes());
+}
+
+template <size_t N>
+void copy_strides(const at::Tensor& t, int64_t (&strides)[N]) {
+  TORCH_CHECK(t.dim() == static_cast<int64_t>(N), "fused_attn cuda: internal rank mismatch");
+  for (size_t i = 0; i < N; ++i) strides[i] = t.stride(static_cast<int64_t>(i));
+}
+
+// Checks query, key, value and the masks against the contract of fused_attn/problem.py and
+// returns the parameters every kernel reads.
+inline AttentionParams attention_params(const at::Tensor& query, const at::Tensor& key,
+                                        const at::Tensor& value,
+                                        const std::optional<at::Tensor>& attn_mask,
+                                        const std::optional<at::Tensor>& key_padding_mask,
+                                        bool is_causal, double scale) {
+  const auto check_rank = [](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 4, "fused_attn cuda: ", name, " must be 4-D (B, H, L, D), got shape ",
+                t.sizes());
+  };
+  check_rank(query, "query");
+  check_rank(key, "key");
+  check_rank(value, "value");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "fused_attn cuda: query must be float16, bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype,
+              "fused_attn cuda: key and value must have query's dtype ", dtype, ", got ",
+              key.scalar_type(), " and ", value.scalar_type());
+  const int64_t batch = query.size(0), heads_q = query.size(1), len_q = query.size(2);
+  const int64_t dim_qk = query.size(3), heads_kv = key.size(1), len_k = key.size(2);
+  const int64_t dim_v = value.size(3);
+  check_shape(key, "key", {batch, heads_kv, len_k, dim_qk});
+  check_shape(value, "value", {batch, heads_kv, len_k, dim_v});
+  TORCH_CHECK(heads_kv > 0 && heads_q % heads_kv == 0, "fused_attn cuda: the ", heads_q,
+              " query heads must be a multiple of the ", heads_kv, " key/value heads");
+  TORCH_CHECK(std::max(dim_qk, dim_v) <= kMaxHeadDim, "fused_attn cuda: head dims up to ",
+              kMaxHeadDim, " are supported, got ", dim_qk, " (query/key) and ", dim_v, " (value)");
+  // Grid limits: y and z of a grid are at most 65535; lengths index with int.
+  TORCH_CHECK(batch <= 65535 && heads_q <= 65535, "fused_attn cuda: batch and heads must be at "
+              "most 65535, got ", batch, " and ", heads_q);
+  TORCH_CHECK(len_q < INT_MAX / 2 && len_k < INT_MAX / 2, "fused_attn cuda: sequence too long");
+  TORCH_CHECK(std::isfinite(scale), "fused_attn cuda: scale must be finite, got ", scale);
+
+  AttentionParams p{};
+  p.q = query.data_ptr();
+  p.k = key.data_ptr();
+  p.v = value.data_ptr();
+  copy_strides(query, p.q_stride);
+  copy_strides(key, p.k_stride);
+  copy_strides(value, p.v_stride);
+  p.mask = nullptr;
+  p.mask_kind = kNoMask;
+  if (attn_mask.has_value()) {
+    const at::Tensor& mask = *attn_mask;
+    TORCH_CHECK(mask.dim() == 4, "fused_attn cuda: attn_mask must be viewed as (B, H_q, L_q, L_k)"
+                " with stride 0 where it broadcasts, got shape ", mask.sizes());
+    check_shape(mask, "attn_mask", {batch, heads_q, len_q, len_k});
+    TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == dtype,
+                "fused_attn cuda: attn_mask must be bool or ", dtype, ", got ", mask.scalar_type());
+    p.mask = mask.data_ptr();
+    p.mask_kind = mask.scalar_type() == at::kBool ? kBoolMask : kAdditiveMask;
+    copy_strides(mask, p.mask_stride);
+  }
+  p.key_padding = nullptr;
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& padding = *key_padding_mask;
+    TORCH_CHECK(padding.scalar_type() == at::kBool,
+                "fused_attn cuda: key_padding_mask must be bool (true = ignore), got ",
+                padding.scalar_type());
+    TORCH_CHECK(padding.dim() == 2, "fused_attn cuda: key_padding_mask must be (B, L_k)");
+    check_shape(padding, "key_padding_mask", {batch, len_k});
+    p.key_padding = static_cast<const uint8_t*>(padding.data_ptr());
+    copy_strides(padding, p.key_padding_stride);
+  }
+  p.batch = static_cast<int>(batch);
+  p.heads_q = static_cast<int>(heads_q);
+  p.heads_kv = static_cast<int>(heads_kv);
+  p.group = static_cast<int>(heads_q / heads_kv);
+  p.len_q = static_cast<int>(len_q);
+  p.len_k = static_cast<int>(len_k);
+  p.dim_qk = static_cast<int>(dim_qk);
+  p.dim_v = static_cast<int>(dim_v);
+  p.scale = static_cast<float>(scale);
+  p.is_causal = is_causal;
+  return p;
+}
+
+inline void check_like_output(const at::Tensor& t, const char* name, const at::Tensor& query,
+                              const AttentionParams& p) {
+  TORCH_CHECK(t.dim() == 4, "fused_attn cuda: ", name, " must be 4-D, got shape ", t.sizes());
+  check_shape(t, name, {p.batch, p.heads_q, p.len_q, p.dim_v});
+  TORCH_CHECK(t.scalar_type() == query.scalar_type(), "fused_attn cuda: ", name,
+              " must have query's dtype ", query.scalar_type(), ", got ", t.scalar_type());
+}
+
+// Writes softmax(scale · Q Kᵀ + masks) V into `out` and returns the log-sum-exp (B, H_q, L_q).
+template <typename Launch>
+at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& attn_mask,
+                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                         double scale, const at::Tensor& out, const Launch& launch) {
+  ForwardParams params{};
+  params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  const AttentionParams& p = params.attn;
+  check_like_output(out, "out", query, p);
+  at::Tensor lse = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(at::kFloat));
+  if (lse.numel() == 0) return lse;
+  params.out = out.data_ptr();
+  copy_strides(out, params.out_stride);
+  params.lse = lse.data_ptr<float>();
+  dispatch_instance(query.scalar_type(), std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
+    using T = typename decltype(type)::type;
+    constexpr int HEAD = decltype(head)::value;
+    using Cfg = Config<kForwardKernel, T, HEAD>;
+    const LaunchShape shape{{ceil_div(p.len_q, Cfg::block_m), static_cast<unsigned>(p.heads_q),
+                             static_cast<unsigned>(p.batch)},
+                            kThreads, static_cast<std::size_t>(Cfg::shared_bytes)};
+    launch(&flash_forward_kernel<T, HEAD>, shape, params);
+  });
+  return lse;
+}
+
+// Gradients of query, key and value; `grad_lse` (may be absent) is the gradient flowing into the
+// log-sum-exp, entering as delta = rowsum(dO * O) - grad_lse. Deterministic.
+template <typename Launch>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+    bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const Launch& launch) {
+  BackwardParams params{};
+  params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  const AttentionParams& p = params.attn;
+  check_like_output(out, "out", query, p);
+  check_like_output(grad_out, "grad_out", query, p);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "fused_attn cuda: lse must be float32, got ",
+              lse.scalar_type());
+  TORCH_CHECK(lse.dim() == 3, "fused_attn cuda: lse must be (B, H_q, L_q), got ", lse.sizes());
+  check_shape(lse, "lse", {p.batch, p.heads_q, p.len_q});
+  at::Tensor grad_lse_f32;
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(at::isFloatingType(grad_lse->scalar_type()),
+                "fused_attn cuda: grad_lse must be floating point, got ", grad_lse->scalar_type());
+    TORCH_CHECK(grad_lse->dim() == 3, "fused_attn cuda: grad_lse must be (B, H_q, L_q)");
+    check_shape(*grad_lse, "grad_lse", {p.batch, p.heads_q, p.len_q});
+    grad_lse_f32 = grad_lse->to(at::kFloat);
+  }
+
+  at::Tensor grad_query = at::empty_like(query);
+  at::Tensor grad_key = at::empty_like(key);
+  at::Tensor grad_value = at::empty_like(value);
+  at::Tensor delta = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(at::kFloat));
+
+  params.grad_out = grad_out.data_ptr();
+  copy_strides(grad_out, params.grad_out_stride);
+  params.lse = lse.data_ptr<float>();
+  copy_strides(lse, params.lse_stride);
+  params.delta = delta.data_ptr<float>();
+  params.grad_q = grad_query.data_ptr();
+  copy_strides(grad_query, params.grad_q_stride);
+  params.grad_k = grad_key.data_ptr();
+  copy_strides(grad_key, params.grad_k_stride);
+  params.grad_v = grad_value.data_ptr();
+  copy_strides(grad_value, params.grad_v_stride);
+
+  const int64_t rows = delta.numel();
+  TORCH_CHECK(rows / kWarps < INT_MAX, "fused_attn cuda: too many query rows");
+  dispatch_instance(query.scalar_type(), std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
+    using T = typename decltype(type)::type;
+    constexpr int HEAD = decltype(head)::value;
+    if (rows > 0) {
+      DeltaParams delta_params{};
+      delta_params.out = out.data_ptr();
+      copy_strides(out, delta_params.out_stride);
+      delta_params.grad_out = grad_out.data_ptr();
+      copy_strides(grad_out, delta_params.grad_out_stride);
+      delta_params.grad_lse = nullptr;
+      if (grad_lse_f32.defined()) {
+        delta_params.grad_lse = grad_lse_f32.data_ptr<float>();
+        copy_strides(grad_lse_f32, delta_params.grad_lse_stride);
+      }
+      delta_params.delta = delta.data_ptr<float>();
+      delta_params.batch = p.batch;
+      delta_params.heads = p.heads_q;
+      delta_params.len_q = p.len_q;
+      delta_params.dim_v = p.dim_v;
+      launch(&flash_backward_delta_kernel<T>, LaunchShape{{ceil_div(rows, kWarps), 1, 1}, kThreads, 0},
+             delta_params);
+
+      using QCfg = Config<kBackwardQKernel, T, HEAD>;
+      const LaunchShape q_shape{{ceil_div(p.len_q, QCfg::block_m), static_cast<unsigned>(p.heads_q),
+                                 static_cast<unsigned>(p.batch)},
+                                kThreads, static_cast<std::size_t>(QCfg::shared_bytes)};
+      launch(&flash_backward_dq_kernel<T, HEAD>, q_shape, params);
+    }
+    // Also without query rows: every key then gets a zero gradient.
+    if (grad_key.numel() > 0 || grad_value.numel() > 0) {
+      using KVCfg = Config<kBackwardKVKernel, T, HEAD>;
+      const LaunchShape kv_shape{{ceil_div(p.len_k, KVCfg::block_n), static_cast<unsigned>(p.heads_kv),
+                                  static_cast<unsigned>(p.batch)},
+                                 kThreads, static_cast<std::size_t>(KVCfg::shared_bytes)};
+      launch(&flash_backward_dkdv_kernel<T, HEAD>, kv_shape, params);
+    }
+  });
+  return {grad_query, grad_key, grad_value};
+}
+
+}  // namespace fused_attn_cuda

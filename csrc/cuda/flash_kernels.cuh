@@ -1,0 +1,608 @@
+// FlashAttention-2 forward and backward kernels of the `cuda` backend: bodies only, no torch.
+//
+// One thread block of kThreads threads per (query block, head, batch) for the forward and the dQ
+// pass, per (key block, key/value head, batch) for the dK/dV pass. K/V (or Q/dO) tiles are staged in
+// shared memory; softmax runs online in fp32; products of fp16/bf16 tiles run on tensor cores through
+// WMMA 16x16x16 fragments with fp32 accumulation, fp32 tiles on the CUDA cores. Every tile product
+// reads its operands from shared memory and accumulates into fp32 shared memory, so the per-row
+// rescaling of the online softmax never needs the (unspecified) register layout of a fragment.
+//
+// The backward is deterministic and free of atomics: a dK/dV block loops over the query blocks of
+// every query head of its GQA group in a fixed order; dQ is a second kernel, one block per query
+// block looping over the key blocks; delta = rowsum(dO * O) - grad_lse comes from a third.
+//
+// The same source compiles with nvcc and, for the tests, with a host C++ compiler against
+// tests/emulation/cuda_emulation.h, which defines CUDA_EMULATION and supplies the CUDA names used
+// here (blocks, threads, shared memory, barriers, warp shuffles, WMMA fragments).
+#pragma once
+
+#ifndef CUDA_EMULATION
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#ifndef CUDA_EMULATION
+// The block's dynamic shared memory (the emulation provides one buffer per emulated block instead).
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+  extern __shared__ __align__(128) unsigned char fused_attn_shared_storage[];
+  return fused_attn_shared_storage;
+}
+#endif
+
+namespace fused_attn_cuda {
+
+constexpr int kThreads = 128;  // 4 warps per block, every kernel
+// Every kernel is declared __launch_bounds__(kThreads, 1): at most kThreads threads, and at least
+// one resident block per SM, which is all the shared memory leaves room for anyway. Without the
+// second argument ptxas aims at more resident blocks and spills a few registers of some instances.
+constexpr int kWarps = kThreads / 32;
+// The largest dynamic shared memory a block may use: 99 KB, the opt-in limit of sm_86 and sm_89,
+// the smallest among the default targets (sm_80 allows 163 KB, sm_90 227 KB).
+constexpr int kMaxSharedBytes = 99 * 1024;
+constexpr int kMaxHeadDim = 256;
+
+// Every (element type, padded head dim) the extension ships; the dispatcher (flash_dispatch.h) and
+// the compile report (bench/cuda_report.py) both expand this list. Head dims are padded up to the
+// next entry; the padding columns are loaded as zeros and never stored.
+#define FUSED_ATTN_CUDA_FOR_EACH_INSTANCE(X)                                              \
+  X(__half, 32) X(__half, 64) X(__half, 128) X(__half, 256)                               \
+  X(__nv_bfloat16, 32) X(__nv_bfloat16, 64) X(__nv_bfloat16, 128) X(__nv_bfloat16, 256)   \
+  X(float, 32) X(float, 64) X(float, 128) X(float, 256)
+
+// The template head dim serving a problem whose largest head dim is `dim`; 0 if none does.
+constexpr int padded_head_dim(int dim) {
+  return dim <= 32 ? 32 : dim <= 64 ? 64 : dim <= 128 ? 128 : dim <= 256 ? 256 : 0;
+}
+
+enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kAdditiveMask = 2 };
+
+// What every kernel reads: the problem of fused_attn/problem.py, strides in elements.
+struct AttentionParams {
+  const void* q;  // (B, H_q, L_q, D_qk)
+  const void* k;  // (B, H_kv, L_k, D_qk)
+  const void* v;  // (B, H_kv, L_k, D_v)
+  int64_t q_stride[4], k_stride[4], v_stride[4];
+  const void* mask;  // (B, H_q, L_q, L_k) view, stride 0 where it broadcasts; bool or element type
+  int mask_kind;
+  int64_t mask_stride[4];
+  const uint8_t* key_padding;  // (B, L_k) bool, true = ignore the key; may be null
+  int64_t key_padding_stride[2];
+  int batch, heads_q, heads_kv, group, len_q, len_k, dim_qk, dim_v;
+  float scale;
+  bool is_causal;
+};
+
+struct ForwardParams {
+  AttentionParams attn;
+  void* out;  // (B, H_q, L_q, D_v)
+  int64_t out_stride[4];
+  float* lse;  // (B, H_q, L_q), contiguous
+};
+
+struct BackwardParams {
+  AttentionParams attn;
+  const void* grad_out;  // (B, H_q, L_q, D_v)
+  int64_t grad_out_stride[4];
+  const float* lse;  // (B, H_q, L_q)
+  int64_t lse_stride[3];
+  const float* delta;  // (B, H_q, L_q), contiguous: rowsum(dO * O) - grad_lse
+  void* grad_q;
+  int64_t grad_q_stride[4];
+  void* grad_k;
+  int64_t grad_k_stride[4];
+  void* grad_v;
+  int64_t grad_v_stride[4];
+};
+
+struct DeltaParams {
+  const void* out;  // (B, H, L_q, D_v)
+  int64_t out_stride[4];
+  const void* grad_out;
+  int64_t grad_out_stride[4];
+  const float* grad_lse;  // (B, H, L_q) or null
+  int64_t grad_lse_stride[3];
+  float* delta;  // (B, H, L_q), contiguous
+  int batch, heads, len_q, dim_v;
+};
+
+// ---- element types --------------------------------------------------------------------------
+
+template <typename T>
+struct Element;
+
+template <>
+struct Element<float> {
+  static constexpr bool tensor_cores = false;
+  static __device__ __forceinline__ float load(float x) { return x; }
+  static __device__ __forceinline__ float store(float x) { return x; }
+};
+
+template <>
+struct Element<__half> {
+  static constexpr bool tensor_cores = true;
+  static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct Element<__nv_bfloat16> {
+  static constexpr bool tensor_cores = true;
+  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+
+// ---- tile configurations ----------------------------------------------------------------------
+
+// Shared-memory row pitches: tiles of the element type get 8 extra columns (16 bytes for fp16, a
+// multiple of 8 elements as WMMA requires), fp32 tiles 4, so that consecutive rows fall on other
+// banks.
+__host__ __device__ constexpr int pitch(int columns) { return columns + 8; }
+__host__ __device__ constexpr int pitch_f32(int columns) { return columns + 4; }
+// Every shared buffer starts on a 128-byte boundary (WMMA needs 32).
+__host__ __device__ constexpr int buffer_bytes(int rows, int row_pitch, int element_bytes) {
+  return (rows * row_pitch * element_bytes + 127) / 128 * 128;
+}
+
+__host__ __device__ constexpr int forward_shared_bytes(int e, int head, int bm, int bn) {
+  return buffer_bytes(bm, pitch(head), e)            // Q
+         + 2 * buffer_bytes(bn, pitch(head), e)      // K, V
+         + buffer_bytes(bm, pitch_f32(bn), 4)        // S
+         + buffer_bytes(bm, pitch(bn), e)            // P
+         + buffer_bytes(bm, pitch_f32(head), 4)      // O accumulator
+         + buffer_bytes(bm, 1, 4);                   // 1 / row sum
+}
+
+__host__ __device__ constexpr int backward_kv_shared_bytes(int e, int head, int bm, int bn) {
+  return 2 * buffer_bytes(bn, pitch(head), e)        // K, V
+         + 2 * buffer_bytes(bn, pitch_f32(head), 4)  // dK, dV accumulators
+         + 2 * buffer_bytes(bm, pitch(head), e)      // Q, dO
+         + 2 * buffer_bytes(bm, pitch_f32(bn), 4)    // S, dP
+         + 2 * buffer_bytes(bm, pitch(bn), e)        // P, dS
+         + 2 * buffer_bytes(bm, 1, 4);               // lse, delta
+}
+
+__host__ __device__ constexpr int backward_q_shared_bytes(int e, int head, int bm, int bn) {
+  return 2 * buffer_bytes(bm, pitch(head), e)        // Q, dO
+         + buffer_bytes(bm, pitch_f32(head), 4)      // dQ accumulator
+         + 2 * buffer_bytes(bn, pitch(head), e)      // K, V
+         + 2 * buffer_bytes(bm, pitch_f32(bn), 4)    // S, dP
+         + buffer_bytes(bm, pitch(bn), e)            // dS
+         + 2 * buffer_bytes(bm, 1, 4);               // lse, delta
+}
+
+enum KernelKind : int { kForwardKernel, kBackwardKVKernel, kBackwardQKernel };
+
+struct Tile {
+  int m, n;  // query rows, key rows
+};
+
+__host__ __device__ constexpr int shared_bytes_of(int kind, int e, int head, Tile t) {
+  return kind == kForwardKernel     ? forward_shared_bytes(e, head, t.m, t.n)
+         : kind == kBackwardKVKernel ? backward_kv_shared_bytes(e, head, t.m, t.n)
+                                     : backward_q_shared_bytes(e, head, t.m, t.n);
+}
+
+// The largest tile, in this order of preference, whose shared memory fits kMaxSharedBytes. Tensor
+// cores need multiples of 16; a block's kThreads threads split BM rows into groups of
+// kThreads / BM lanes of one warp for the row reductions, hence BM >= 4 and a power of two.
+__host__ __device__ constexpr Tile pick_tile(int kind, int element_bytes, int head, bool tensor_cores) {
+  constexpr Tile candidates[] = {{64, 64}, {64, 32}, {32, 64}, {32, 32}, {64, 16},
+                                 {16, 64}, {32, 16}, {16, 32}, {16, 16}, {16, 8}};
+  for (Tile t : candidates) {
+    if (tensor_cores && t.n % 16 != 0) continue;
+    if (shared_bytes_of(kind, element_bytes, head, t) <= kMaxSharedBytes) return t;
+  }
+  return Tile{0, 0};
+}
+
+template <int KIND, typename T, int HEAD>
+struct Config {
+  static constexpr Tile tile = pick_tile(KIND, sizeof(T), HEAD, Element<T>::tensor_cores);
+  static constexpr int block_m = tile.m;
+  static constexpr int block_n = tile.n;
+  static constexpr int shared_bytes = shared_bytes_of(KIND, sizeof(T), HEAD, tile);
+  static_assert(block_m > 0, "no tile fits the shared-memory budget");
+  static_assert(kThreads % block_m == 0 && kThreads / block_m <= 32, "row groups must fit a warp");
+  static_assert(HEAD % 16 == 0 && block_m % 16 == 0, "tiles are made of 16x16 fragments");
+};
+
+// ---- small device helpers ---------------------------------------------------------------------
+
+__device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
+
+// Carves the block's dynamic shared memory into buffers, in the order of the *_shared_bytes sums.
+struct SharedCarver {
+  unsigned char* next;
+  template <typename U>
+  __device__ __forceinline__ U* take(int rows, int row_pitch) {
+    U* buffer = reinterpret_cast<U*>(next);
+    next += buffer_bytes(rows, row_pitch, sizeof(U));
+    return buffer;
+  }
+};
+
+// Loads rows [row0, row0 + ROWS) x columns [0, COLS) of a strided matrix into shared memory,
+// zero-filling rows >= rows_valid and columns >= cols_valid (padding of length and head dim).
+// Consecutive threads read consecutive columns, coalesced when the column stride is 1.
+template <typename T, int ROWS, int COLS>
+__device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t row_stride,
+                                          int64_t col_stride, int row0, int rows_valid,
+                                          int cols_valid) {
+  for (int e = threadIdx.x; e < ROWS * COLS; e += kThreads) {
+    const int r = e / COLS, c = e % COLS, row = row0 + r;
+    T value = Element<T>::store(0.0f);
+    if (row < rows_valid && c < cols_valid) value = src[row * row_stride + c * col_stride];
+    dst[r * ld + c] = value;
+  }
+}
+
+__device__ __forceinline__ void fill_f32(float* dst, int count, float value) {
+  for (int e = threadIdx.x; e < count; e += kThreads) dst[e] = value;
+}
+
+// Reductions across the GROUP consecutive lanes (a power of two) that share one row.
+template <int GROUP>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int offset = GROUP / 2; offset > 0; offset /= 2)
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+template <int GROUP>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int offset = GROUP / 2; offset > 0; offset /= 2)
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// Index of element (row, col) of a matrix stored row-major (COL false) or column-major.
+template <bool COL>
+__device__ __forceinline__ int at(int row, int col, int ld) {
+  return COL ? col * ld + row : row * ld + col;
+}
+
+// C (M x N, fp32, row-major, pitch ldc) = or += A (M x K) * B (K x N), all in shared memory, computed
+// by the whole block. A and B are row- or column-major (A_COL / B_COL): Kᵀ is K read column-major,
+// Pᵀ is P read column-major. The caller synchronises before (operands ready) and after (C ready).
+template <typename T, int M, int N, int K, bool A_COL, bool B_COL, bool ACCUMULATE>
+__device__ __forceinline__ void block_gemm(const T* a, int lda, const T* b, int ldb, float* c,
+                                           int ldc) {
+  if constexpr (Element<T>::tensor_cores) {
+    // Tensor cores: each warp owns whole 16x16 output tiles, in turn.
+    namespace wmma = nvcuda::wmma;
+    using ALayout = std::conditional_t<A_COL, wmma::col_major, wmma::row_major>;
+    using BLayout = std::conditional_t<B_COL, wmma::col_major, wmma::row_major>;
+    constexpr int tiles_n = N / 16, tiles = (M / 16) * tiles_n;
+    for (int t = threadIdx.x / 32; t < tiles; t += kWarps) {
+      const int ti = (t / tiles_n) * 16, tj = (t % tiles_n) * 16;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      if (ACCUMULATE) {
+        wmma::load_matrix_sync(acc, c + ti * ldc + tj, ldc, wmma::mem_row_major);
+      } else {
+        wmma::fill_fragment(acc, 0.0f);
+      }
+#pragma unroll 2
+      for (int kk = 0; kk < K; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, ALayout> a_frag;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> b_frag;
+        wmma::load_matrix_sync(a_frag, a + at<A_COL>(ti, kk, lda), lda);
+        wmma::load_matrix_sync(b_frag, b + at<B_COL>(kk, tj, ldb), ldb);
+        wmma::mma_sync(acc, a_frag, b_frag, acc);
+      }
+      wmma::store_matrix_sync(c + ti * ldc + tj, acc, ldc, wmma::mem_row_major);
+    }
+  } else {
+    // CUDA cores, exact fp32: each thread owns output elements, in turn.
+    for (int e = threadIdx.x; e < M * N; e += kThreads) {
+      const int i = e / N, j = e % N;
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int kk = 0; kk < K; ++kk)
+        sum = fmaf(Element<T>::load(a[at<A_COL>(i, kk, lda)]),
+                   Element<T>::load(b[at<B_COL>(kk, j, ldb)]), sum);
+      c[i * ldc + j] = ACCUMULATE ? c[i * ldc + j] + sum : sum;
+    }
+  }
+}
+
+// What a key adds to the scaled score of (query i, key j): 0, an additive bias, or -inf when it is
+// hidden (causal, masks, padding, or beyond the problem).
+template <typename T>
+__device__ __forceinline__ float score_bias(const AttentionParams& p, int b, int h, int i, int j) {
+  if (i >= p.len_q || j >= p.len_k || (p.is_causal && j > i)) return -INFINITY;
+  if (p.key_padding != nullptr &&
+      p.key_padding[b * p.key_padding_stride[0] + j * p.key_padding_stride[1]])
+    return -INFINITY;
+  if (p.mask_kind == kNoMask) return 0.0f;
+  const int64_t offset = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
+                         j * p.mask_stride[3];
+  if (p.mask_kind == kBoolMask)
+    return static_cast<const uint8_t*>(p.mask)[offset] ? 0.0f : -INFINITY;
+  return Element<T>::load(static_cast<const T*>(p.mask)[offset]);
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const ForwardParams params) {
+  using Cfg = Config<kForwardKernel, T, HEAD>;
+  constexpr int BM = Cfg::block_m, BN = Cfg::block_n, LANES = kThreads / BM;
+  constexpr int LD = pitch(HEAD), LDS = pitch_f32(BN), LDP = pitch(BN), LDO = pitch_f32(HEAD);
+  const AttentionParams& p = params.attn;
+  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+
+  SharedCarver shared{dynamic_shared_memory()};
+  T* q_s = shared.take<T>(BM, LD);
+  T* k_s = shared.take<T>(BN, LD);
+  T* v_s = shared.take<T>(BN, LD);
+  float* s_s = shared.take<float>(BM, LDS);
+  T* p_s = shared.take<T>(BM, LDP);
+  float* o_s = shared.take<float>(BM, LDO);
+  float* inv_sum_s = shared.take<float>(BM, 1);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
+  fill_f32(o_s, BM * LDO, 0.0f);
+
+  // LANES consecutive threads of one warp share a row and its running max and sum.
+  const int row = threadIdx.x / LANES, lane = threadIdx.x % LANES, i = m0 + row;
+  float row_max = -INFINITY, row_sum = 0.0f;
+  // Causal: key blocks wholly after the last query of this block are skipped.
+  const int n_end = p.is_causal ? min_int(p.len_k, m0 + BM) : p.len_k;
+  for (int n0 = 0; n0 < n_end; n0 += BN) {
+    load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
+    load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
+    __syncthreads();
+    block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);  // S = Q Kᵀ
+    __syncthreads();
+
+    float* s_row = s_s + row * LDS;
+    float tile_max = -INFINITY;
+    for (int j = lane; j < BN; j += LANES) {
+      const float s = s_row[j] * p.scale + score_bias<T>(p, b, h, i, n0 + j);
+      s_row[j] = s;
+      tile_max = fmaxf(tile_max, s);
+    }
+    const float new_max = fmaxf(row_max, group_max<LANES>(tile_max));
+    // A row that has seen no key yet keeps max -inf: exponentiate against 0 so that exp gives 0,
+    // not NaN.
+    const float reference = new_max == -INFINITY ? 0.0f : new_max;
+    const float rescale = expf(row_max - reference);
+    float tile_sum = 0.0f;
+    for (int j = lane; j < BN; j += LANES) {
+      const float probability = expf(s_row[j] - reference);
+      tile_sum += probability;
+      p_s[row * LDP + j] = Element<T>::store(probability);
+    }
+    row_sum = row_sum * rescale + group_sum<LANES>(tile_sum);
+    row_max = new_max;
+    for (int d = lane; d < HEAD; d += LANES) o_s[row * LDO + d] *= rescale;
+    __syncthreads();
+    block_gemm<T, BM, HEAD, BN, false, false, true>(p_s, LDP, v_s, LD, o_s, LDO);  // O += P V
+    __syncthreads();
+  }
+
+  // A row that saw no key: output 0, log-sum-exp -inf.
+  if (lane == 0) {
+    inv_sum_s[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    if (i < p.len_q)
+      params.lse[(static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i] =
+          row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(params.out) + b * params.out_stride[0] + h * params.out_stride[1];
+  for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
+    const int r = e / HEAD, d = e % HEAD;
+    if (m0 + r < p.len_q && d < p.dim_v)
+      out[(m0 + r) * params.out_stride[2] + d * params.out_stride[3]] =
+          Element<T>::store(o_s[r * LDO + d] * inv_sum_s[r]);
+  }
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+
+// delta = rowsum(dO * O) - grad_lse, one warp per row.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) flash_backward_delta_kernel(const DeltaParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads * p.len_q;
+  if (row >= rows) return;  // the whole warp leaves together
+  const int i = static_cast<int>(row % p.len_q);
+  const int h = static_cast<int>(row / p.len_q % p.heads);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.len_q) * p.heads));
+  const T* out = static_cast<const T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] +
+                 i * p.out_stride[2];
+  const T* grad_out = static_cast<const T*>(p.grad_out) + b * p.grad_out_stride[0] +
+                      h * p.grad_out_stride[1] + i * p.grad_out_stride[2];
+  float sum = 0.0f;
+  for (int d = lane; d < p.dim_v; d += 32)
+    sum = fmaf(Element<T>::load(out[d * p.out_stride[3]]),
+               Element<T>::load(grad_out[d * p.grad_out_stride[3]]), sum);
+  sum = group_sum<32>(sum);
+  if (lane == 0) {
+    if (p.grad_lse != nullptr)
+      sum -= p.grad_lse[b * p.grad_lse_stride[0] + h * p.grad_lse_stride[1] +
+                        i * p.grad_lse_stride[2]];
+    p.delta[row] = sum;
+  }
+}
+
+// Loads the log-sum-exp and delta of rows [m0, m0 + BM) of head h; rows past the end get
+// lse -inf, so that their probabilities, and so their gradients, are 0.
+template <int BM>
+__device__ __forceinline__ void load_row_stats(const BackwardParams& params, int b, int h, int m0,
+                                               float* lse_s, float* delta_s) {
+  const AttentionParams& p = params.attn;
+  for (int r = threadIdx.x; r < BM; r += kThreads) {
+    const int i = m0 + r;
+    const bool valid = i < p.len_q;
+    lse_s[r] = valid ? params.lse[b * params.lse_stride[0] + h * params.lse_stride[1] +
+                                  i * params.lse_stride[2]]
+                     : -INFINITY;
+    delta_s[r] = valid ? params.delta[(static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i]
+                       : 0.0f;
+  }
+}
+
+// From S = Q Kᵀ and dP = dO Vᵀ of a (BM x BN) tile: P = exp(scale * S + bias - lse) and
+// dS = P * (dP - delta), stored in the element type for the next tile products (P only if p_s).
+template <typename T, int BM, int BN>
+__device__ __forceinline__ void probabilities_and_grads(const AttentionParams& p, int b, int h,
+                                                        int m0, int n0, const float* s_s,
+                                                        const float* dp_s, int lds,
+                                                        const float* lse_s, const float* delta_s,
+                                                        T* p_s, T* ds_s, int ldp) {
+  for (int e = threadIdx.x; e < BM * BN; e += kThreads) {
+    const int r = e / BN, j = e % BN;
+    const float s = s_s[r * lds + j] * p.scale + score_bias<T>(p, b, h, m0 + r, n0 + j);
+    const float lse = lse_s[r];
+    // lse -inf: the row sees no key, its gradients are 0 (never exp(-inf - -inf) = NaN).
+    const float probability = (lse == -INFINITY || s == -INFINITY) ? 0.0f : expf(s - lse);
+    if (p_s != nullptr) p_s[r * ldp + j] = Element<T>::store(probability);
+    ds_s[r * ldp + j] = Element<T>::store(probability * (dp_s[r * lds + j] - delta_s[r]));
+  }
+}
+
+// dK and dV of one key block: loops over the query blocks of each query head of the GQA group, in
+// a fixed order, so the sums are the same on every run.
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_backward_dkdv_kernel(const BackwardParams params) {
+  using Cfg = Config<kBackwardKVKernel, T, HEAD>;
+  constexpr int BM = Cfg::block_m, BN = Cfg::block_n;
+  constexpr int LD = pitch(HEAD), LDA = pitch_f32(HEAD), LDS = pitch_f32(BN), LDP = pitch(BN);
+  const AttentionParams& p = params.attn;
+  const int n0 = blockIdx.x * BN, h_kv = blockIdx.y, b = blockIdx.z;
+
+  SharedCarver shared{dynamic_shared_memory()};
+  T* k_s = shared.take<T>(BN, LD);
+  T* v_s = shared.take<T>(BN, LD);
+  float* dk_s = shared.take<float>(BN, LDA);
+  float* dv_s = shared.take<float>(BN, LDA);
+  T* q_s = shared.take<T>(BM, LD);
+  T* do_s = shared.take<T>(BM, LD);
+  float* s_s = shared.take<float>(BM, LDS);
+  float* dp_s = shared.take<float>(BM, LDS);
+  T* p_s = shared.take<T>(BM, LDP);
+  T* ds_s = shared.take<T>(BM, LDP);
+  float* lse_s = shared.take<float>(BM, 1);
+  float* delta_s = shared.take<float>(BM, 1);
+
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
+  load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
+  fill_f32(dk_s, BN * LDA, 0.0f);
+  fill_f32(dv_s, BN * LDA, 0.0f);
+
+  // Causal: query blocks wholly before the first key of this block are skipped.
+  const int m_begin = p.is_causal ? n0 / BM * BM : 0;
+  for (int g = 0; g < p.group; ++g) {
+    const int h = h_kv * p.group + g;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+    const T* grad_out = static_cast<const T*>(params.grad_out) + b * params.grad_out_stride[0] +
+                        h * params.grad_out_stride[1];
+    for (int m0 = m_begin; m0 < p.len_q; m0 += BM) {
+      load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
+      load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2],
+                             params.grad_out_stride[3], m0, p.len_q, p.dim_v);
+      load_row_stats<BM>(params, b, h, m0, lse_s, delta_s);
+      __syncthreads();
+      block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
+      block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
+      __syncthreads();
+      probabilities_and_grads<T, BM, BN>(p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s, p_s,
+                                         ds_s, LDP);
+      __syncthreads();
+      block_gemm<T, BN, HEAD, BM, true, false, true>(p_s, LDP, do_s, LD, dv_s, LDA);  // += Pᵀ dO
+      block_gemm<T, BN, HEAD, BM, true, false, true>(ds_s, LDP, q_s, LD, dk_s, LDA);  // += dSᵀ Q
+      __syncthreads();
+    }
+  }
+  __syncthreads();  // the accumulators are complete even when no query block was visited
+
+  T* grad_k = static_cast<T*>(params.grad_k) + b * params.grad_k_stride[0] +
+              h_kv * params.grad_k_stride[1];
+  T* grad_v = static_cast<T*>(params.grad_v) + b * params.grad_v_stride[0] +
+              h_kv * params.grad_v_stride[1];
+  for (int e = threadIdx.x; e < BN * HEAD; e += kThreads) {
+    const int r = e / HEAD, d = e % HEAD, n = n0 + r;
+    if (n >= p.len_k) continue;
+    if (d < p.dim_qk)
+      grad_k[n * params.grad_k_stride[2] + d * params.grad_k_stride[3]] =
+          Element<T>::store(dk_s[r * LDA + d] * p.scale);
+    if (d < p.dim_v)
+      grad_v[n * params.grad_v_stride[2] + d * params.grad_v_stride[3]] =
+          Element<T>::store(dv_s[r * LDA + d]);
+  }
+}
+
+// dQ of one query block: loops over the key blocks it sees.
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const BackwardParams params) {
+  using Cfg = Config<kBackwardQKernel, T, HEAD>;
+  constexpr int BM = Cfg::block_m, BN = Cfg::block_n;
+  constexpr int LD = pitch(HEAD), LDA = pitch_f32(HEAD), LDS = pitch_f32(BN), LDP = pitch(BN);
+  const AttentionParams& p = params.attn;
+  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+
+  SharedCarver shared{dynamic_shared_memory()};
+  T* q_s = shared.take<T>(BM, LD);
+  T* do_s = shared.take<T>(BM, LD);
+  float* dq_s = shared.take<float>(BM, LDA);
+  T* k_s = shared.take<T>(BN, LD);
+  T* v_s = shared.take<T>(BN, LD);
+  float* s_s = shared.take<float>(BM, LDS);
+  float* dp_s = shared.take<float>(BM, LDS);
+  T* ds_s = shared.take<T>(BM, LDP);
+  float* lse_s = shared.take<float>(BM, 1);
+  float* delta_s = shared.take<float>(BM, 1);
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const T* grad_out = static_cast<const T*>(params.grad_out) + b * params.grad_out_stride[0] +
+                      h * params.grad_out_stride[1];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
+  load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2], params.grad_out_stride[3],
+                         m0, p.len_q, p.dim_v);
+  load_row_stats<BM>(params, b, h, m0, lse_s, delta_s);
+  fill_f32(dq_s, BM * LDA, 0.0f);
+
+  const int n_end = p.is_causal ? min_int(p.len_k, m0 + BM) : p.len_k;
+  for (int n0 = 0; n0 < n_end; n0 += BN) {
+    load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
+    load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
+    __syncthreads();
+    block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
+    block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
+    __syncthreads();
+    probabilities_and_grads<T, BM, BN>(p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s,
+                                       static_cast<T*>(nullptr), ds_s, LDP);
+    __syncthreads();
+    block_gemm<T, BM, HEAD, BN, false, false, true>(ds_s, LDP, k_s, LD, dq_s, LDA);  // += dS K
+    __syncthreads();
+  }
+  __syncthreads();
+
+  T* grad_q = static_cast<T*>(params.grad_q) + b * params.grad_q_stride[0] +
+              h * params.grad_q_stride[1];
+  for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
+    const int r = e / HEAD, d = e % HEAD;
+    if (m0 + r < p.len_q && d < p.dim_qk)
+      grad_q[(m0 + r) * params.grad_q_stride[2] + d * params.grad_q_stride[3]] =
+          Element<T>::store(dq_s[r * LDA + d] * p.scale);
+  }
+}
+
+}  // namespace fused_attn_cuda

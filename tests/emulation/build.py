@@ -1,0 +1,59 @@
+"""Builds the emulated `cuda` backend (flash_emulated.cpp) with the host compiler, at test time.
+
+The kernels of csrc/cuda are compiled here, unchanged, against cuda_emulation.h, so a kernel change
+that breaks the emulated run breaks this build. The build is cached in the temporary directory
+(ninja rebuilds what changed); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+KERNELS = ROOT / "csrc" / "cuda"
+
+
+def cuda_include_dir() -> pathlib.Path | None:
+    """A directory with cuda_fp16.h / cuda_bf16.h / mma.h: the CUDA toolkit's, else the Triton wheel's."""
+    candidates = []
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+        if CUDA_HOME:
+            candidates.append(pathlib.Path(CUDA_HOME) / "include")
+    except ImportError:
+        pass
+    candidates += [pathlib.Path("/usr/local/cuda/include")]
+    try:
+        import triton
+        candidates.append(pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "include")
+    except ImportError:
+        pass
+    for directory in candidates:
+        if (directory / "cuda_fp16.h").is_file() and (directory / "cuda_bf16.h").is_file():
+            return directory
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load():
+    """The compiled module, with `forward` and `backward` on CPU tensors (see flash_emulated.cpp)."""
+    from torch.utils import cpp_extension
+
+    include = cuda_include_dir()
+    if include is None:
+        raise FileNotFoundError("no cuda_fp16.h/cuda_bf16.h found (CUDA toolkit or triton wheel)")
+    build_directory = pathlib.Path(tempfile.gettempdir()) / "fused_attn_cuda_emulation"
+    build_directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name="fused_attn_cuda_emulated",
+        sources=[str(HERE / "flash_emulated.cpp")],
+        extra_include_paths=[str(HERE), str(KERNELS), str(include)],
+        extra_cflags=["-std=c++20", "-O2", "-Wno-unused-parameter"],
+        extra_ldflags=["-pthread"],
+        build_directory=str(build_directory),
+        verbose=os.environ.get("FUSED_ATTN_VERBOSE_BUILD") == "1",
+    )
