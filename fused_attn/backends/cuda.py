@@ -1,0 +1,75 @@
+"""The `cuda` backend: the FlashAttention-2 CUDA kernels of csrc/cuda, compiled into fused_attn._C.
+
+For CUDA machines where Triton is missing or unwanted (`FUSED_ATTN_BACKEND=cuda`), and a second,
+independent GPU implementation to cross-check the first. Chosen automatically on CUDA tensors only
+when the `triton` backend cannot run the call (it comes after it in the registry's order).
+
+It reaches the kernels through the ops `torch.ops.fused_attn.flash_forward` / `flash_backward`,
+whose CUDA implementation csrc/cuda/flash_cuda.cu registers. fp16 and bf16 products run on tensor
+cores with fp32 accumulation; fp32 runs exactly on CUDA cores (no TF32), whatever
+`torch.backends.cuda.matmul.allow_tf32` says. Needs compute capability 8.0 or newer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _extension
+from ..problem import Problem
+from .base import Backend
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+MAX_GRID_DIM = 65535  # heads and batch index the y and z dimensions of the grid
+
+
+def has_cuda_kernels() -> bool:
+    """Whether fused_attn._C registered its CUDA kernels (it does when built by a CUDA torch + nvcc)."""
+    return _extension.missing_reason is None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "fused_attn::flash_forward", "CUDA")
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    devices = ("cuda",)
+
+    def unavailable(self) -> str | None:
+        if _extension.missing_reason is not None:
+            return _extension.missing_reason
+        if not has_cuda_kernels():
+            return ("the C++ extension fused_attn._C was built without CUDA kernels (it needs a "
+                    "CUDA build of torch and nvcc at build time)")
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        return None
+
+    def refusals(self, problem: Problem) -> list[str]:
+        reasons = []
+        if problem.device.type != "cuda":
+            reasons.append(f"runs on CUDA tensors only, got device {problem.device}")
+        else:
+            capability = torch.cuda.get_device_capability(problem.device)
+            if capability < (8, 0):
+                reasons.append(f"needs compute capability 8.0 or newer, got {capability[0]}.{capability[1]}")
+        if problem.dtype not in SUPPORTED_DTYPES:
+            reasons.append(f"dtype {problem.dtype} is not supported (float16, bfloat16, float32)")
+        if max(problem.head_dim_qk, problem.head_dim_v) > MAX_HEAD_DIM:
+            reasons.append(f"head dims up to {MAX_HEAD_DIM}, got {problem.head_dim_qk} (query/key) "
+                           f"and {problem.head_dim_v} (value)")
+        if problem.batch > MAX_GRID_DIM or problem.heads_q > MAX_GRID_DIM:
+            reasons.append(f"batch and query heads up to {MAX_GRID_DIM}, got {problem.batch} and "
+                           f"{problem.heads_q}")
+        if problem.dropout_p > 0.0:
+            reasons.append("no dropout (dropout_p > 0)")
+        if problem.mask_requires_grad:
+            reasons.append("no gradient for attn_mask (the mask requires grad)")
+        return reasons
+
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
+        return torch.ops.fused_attn.flash_forward(query, key, value, attn_mask, key_padding_mask,
+                                                  is_causal, scale, out)
+
+    def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
+                 grad_out, grad_lse):
+        return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
+                                                   is_causal, scale, out, lse, grad_out, grad_lse)
