@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -103,12 +104,32 @@ Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, 
   return p;
 }
 
-void check_output(const at::Tensor& out, std::initializer_list<const at::Tensor*> inputs) {
+// [first byte, one past the last byte] a strided tensor can touch.
+std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
+  int64_t low = 0, high = 0;
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    const int64_t extent = (t.size(i) - 1) * t.stride(i);
+    (extent < 0 ? low : high) += extent;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto item = static_cast<int64_t>(t.element_size());
+  return {base + low * item, base + (high + 1) * item};
+}
+
+void check_output(const char* op, const char* name, const at::Tensor& out,
+                  std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
   // Written through its strides: two elements sharing memory, or memory shared with an input,
   // would make the result depend on the order of the writes.
-  at::assert_no_internal_overlap(out);
-  for (const at::Tensor* input : inputs) {
-    if (input != nullptr && input->defined()) at::assert_no_overlap(out, *input);
+  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes, op, ": ", name,
+              ": expected a tensor whose elements do not share memory (not an expanded view)");
+  for (const auto& [input_name, input] : inputs) {
+    if (input == nullptr || !input->defined() || input->numel() == 0 || out.numel() == 0) continue;
+    if (!out.storage().is_alias_of(input->storage())) continue;
+    // Same storage: refuse when the address ranges meet (conservative for interleaved views).
+    const auto [out_begin, out_end] = byte_range(out);
+    const auto [in_begin, in_end] = byte_range(*input);
+    TORCH_CHECK(out_end <= in_begin || in_end <= out_begin, op, ": ", name,
+                ": expected memory apart from ", input_name, "'s");
   }
 }
 
@@ -129,7 +150,11 @@ void choose_tiling(Params& p, bool backward) {
   // a (block_q × block_k) score block per thread in L2.
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
   p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 128 : 256);
-  p.use_brgemm = env_int("FUSED_ATTN_CPU_BRGEMM", 1) != 0 && p.dtype != Dtype::Float64;
+  const char* brgemm = std::getenv("FUSED_ATTN_CPU_BRGEMM");
+  const bool brgemm_off = brgemm != nullptr && std::string(brgemm) == "0";
+  TORCH_CHECK(brgemm == nullptr || brgemm_off || std::string(brgemm) == "1" || *brgemm == '\0',
+              "FUSED_ATTN_CPU_BRGEMM: expected 0 or 1, got '", brgemm, "'");
+  p.use_brgemm = !brgemm_off && p.dtype != Dtype::Float64;
 }
 
 void run(const Params& p, bool backward) {
@@ -155,7 +180,7 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   const char* op = "flash_forward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
-  check_output(out, {&query, &key, &value});
+  check_output(op, "out", out, {{"query", &query}, {"key", &key}, {"value", &value}});
   p.out = view_of(out);
   at::Tensor lse = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(lse_dtype(query.scalar_type())));
   p.lse = view_of(lse);
@@ -184,9 +209,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     check_tensor(op, "grad_lse", *grad_lse, 3, {p.batch, p.heads_q, p.len_q}, stat_dtype);
     p.grad_lse = view_of(*grad_lse);
   }
-  at::Tensor grad_query = at::empty_like(query, at::MemoryFormat::Contiguous);
-  at::Tensor grad_key = at::empty_like(key, at::MemoryFormat::Contiguous);
-  at::Tensor grad_value = at::empty_like(value, at::MemoryFormat::Contiguous);
+  // NaN until written: an element the kernel missed shows in every test instead of stale memory
+  // (one pass over O(L·D) memory, negligible next to the O(L²·D) kernel).
+  const double unwritten = std::numeric_limits<double>::quiet_NaN();
+  at::Tensor grad_query = at::full_like(query, unwritten, at::MemoryFormat::Contiguous);
+  at::Tensor grad_key = at::full_like(key, unwritten, at::MemoryFormat::Contiguous);
+  at::Tensor grad_value = at::full_like(value, unwritten, at::MemoryFormat::Contiguous);
   at::Tensor delta = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(stat_dtype));
   p.grad_query = view_of(grad_query);
   p.grad_key = view_of(grad_key);

@@ -1,0 +1,322 @@
+"""The cpu backend (csrc/cpu): the DESIGN.md criterion over features × dtypes × layouts, gradcheck,
+determinism across runs and thread counts, fully hidden rows, errors, and every instruction set."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fused_attn
+from fused_attn import testing
+from fused_attn.backends import registry
+from fused_attn.problem import lse_dtype
+
+pytestmark = pytest.mark.skipif(registry.get("cpu").unavailable() is not None,
+                                reason=str(registry.get("cpu").unavailable()))
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+LAYOUTS = testing.LAYOUTS
+
+
+def flash_forward(q, k, v, mask=None, padding=None, causal=False, scale=None, out=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    lse = torch.ops.fused_attn.flash_forward(q, k, v, mask, padding, causal, scale, out)
+    return out, lse
+
+
+def flash_backward(q, k, v, mask, padding, causal, scale, out, lse, grad_out, grad_lse=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.fused_attn.flash_backward(q, k, v, mask, padding, causal, scale, out, lse,
+                                               grad_out, grad_lse)
+
+
+def make_problem(generator, dtype, feature, layouts, batch=2, heads=4):
+    """Inputs of one case, each tensor in its own layout; masks viewed as (B, H_q, L_q, L_k)."""
+    len_q, len_k = {"lengths": (37, 21), "lengths_long_keys": (13, 45), "blocks": (70, 83)}.get(feature, (24, 24))
+    dim, dim_v = {"head_dims": (17, 9), "odd_dims": (3, 5)}.get(feature, (16, 16))
+    heads_kv = 2 if feature == "gqa" else (1 if feature == "mqa" else heads)
+    shapes = [(batch, heads, len_q, dim), (batch, heads_kv, len_k, dim), (batch, heads_kv, len_k, dim_v)]
+    q, k, v = (testing.strided(torch.randn(shape, generator=generator).to(dtype), layouts[i % len(layouts)])
+               for i, shape in enumerate(shapes))
+    mask = padding = None
+    if feature in ("bool_mask", "additive_mask", "blocks"):
+        kind = "additive" if feature != "bool_mask" else "bool"
+        # Broadcast over heads: the kernel must read it through a stride-0 dimension.
+        mask = testing.random_mask((batch, 1, len_q, len_k), kind, dtype, generator=generator)
+        mask = testing.strided(mask, layouts[3 % len(layouts)]).expand(batch, heads, len_q, len_k)
+    if feature in ("key_padding", "blocks"):
+        padding = torch.rand(batch, len_k, generator=generator) < 0.3
+    causal = feature in ("causal", "blocks", "lengths", "lengths_long_keys", "gqa")
+    scale = 0.37 if feature == "scale" else None
+    return q, k, v, mask, padding, causal, scale
+
+
+FEATURES = ["plain", "causal", "bool_mask", "additive_mask", "key_padding", "gqa", "mqa", "lengths",
+            "lengths_long_keys", "head_dims", "odd_dims", "scale", "blocks"]
+LAYOUT_ROTATIONS = [LAYOUTS, LAYOUTS[2:] + LAYOUTS[:2]]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 16 queries × 24 keys, so that small problems cross several blocks and partial ones."""
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_Q", "16")
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", "24")
+
+
+def run_and_check(generator, dtype, feature, layouts):
+    q, k, v, mask, padding, causal, scale = make_problem(generator, dtype, feature, layouts)
+    out_shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    out = testing.nan_filled_like(testing.strided(torch.zeros(out_shape, dtype=dtype), layouts[4]))
+    out, lse = flash_forward(q, k, v, mask, padding, causal, scale, out)
+    assert lse.dtype == lse_dtype(dtype)
+    grad_out = testing.strided(torch.randn(out_shape, generator=generator).to(dtype), layouts[1])
+    grads = flash_backward(q, k, v, mask, padding, causal, scale, out, lse, grad_out)
+    for grad, tensor in zip(grads, (q, k, v)):
+        assert grad.shape == tensor.shape and grad.dtype == tensor.dtype
+    testing.check_against_reference(testing.Results(out, lse, *grads), q, k, v, grad_out,
+                                    attn_mask=mask, key_padding_mask=padding, is_causal=causal,
+                                    scale=scale)
+
+
+@pytest.mark.parametrize("layouts", LAYOUT_ROTATIONS, ids=["rot0", "rot2"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_meets_criterion(generator, small_blocks, feature, dtype, layouts):
+    run_and_check(generator, dtype, feature, layouts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("feature", ["plain", "blocks", "gqa"])
+def test_meets_criterion_with_default_blocks(generator, feature, dtype):
+    run_and_check(generator, dtype, feature, LAYOUTS[::-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_own_micro_kernel_meets_criterion(generator, small_blocks, monkeypatch, dtype):
+    """FUSED_ATTN_CPU_BRGEMM=0: the register-blocked product instead of oneDNN's (bf16 via float)."""
+    monkeypatch.setenv("FUSED_ATTN_CPU_BRGEMM", "0")
+    run_and_check(generator, dtype, "blocks", LAYOUTS)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_every_instruction_set_meets_criterion(capability):
+    """Each compiled copy of the kernels, forced with ATEN_CPU_CAPABILITY in a fresh process."""
+    if capability == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU has no AVX512")
+    script = (
+        "import torch, tests.test_cpu as t\n"
+        "assert torch.backends.cpu.get_cpu_capability() == %r, torch.backends.cpu.get_cpu_capability()\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "for dtype in t.DTYPES:\n"
+        "    for feature in ('blocks', 'head_dims', 'gqa'):\n"
+        "        t.run_and_check(g, dtype, feature, t.LAYOUTS)\n" % capability.upper())
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, FUSED_ATTN_CPU_BLOCK_Q="16",
+               FUSED_ATTN_CPU_BLOCK_K="24")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_through_attention_and_autograd(generator, dtype):
+    q, k, v = (torch.randn(2, 4, 19, 16, generator=generator).to(dtype).requires_grad_() for _ in range(3))
+    mask = testing.random_mask((19, 19), "bool", dtype, generator=generator)
+    out, lse = fused_attn.attention(q, k, v, attn_mask=mask, is_causal=True, return_lse=True, backend="cpu")
+    grad_out = torch.randn(out.shape, generator=generator).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    testing.check_against_reference(testing.Results(out, lse, *grads), q, k, v, grad_out,
+                                    attn_mask=mask.expand(2, 4, 19, 19), is_causal=True)
+
+
+def test_split_heads_packed_projection(generator):
+    """The three slices of one packed (L, B, 3E) projection, read in place; output merged (L, B, E)."""
+    packed = torch.randn(23, 2, 3 * 32, generator=generator, requires_grad=True)
+    q, k, v = packed.chunk(3, dim=-1)
+    out = fused_attn.split_heads_attention(q, k, v, num_heads=4, batch_first=False, is_causal=True,
+                                           backend="cpu")
+    expected = fused_attn.split_heads_attention(q, k, v, num_heads=4, batch_first=False,
+                                                is_causal=True, backend="reference")
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn(out.shape, generator=generator)
+    torch.testing.assert_close(torch.autograd.grad(out, packed, grad)[0],
+                               torch.autograd.grad(expected, packed, grad)[0])
+
+
+def test_gradcheck_float64(generator, small_blocks):
+    q = torch.randn(1, 4, 20, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 27, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 27, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    mask = testing.random_mask((1, 1, 20, 27), "additive", torch.float64, generator=generator)
+    padding = torch.rand(1, 27, generator=generator) < 0.2
+    # Every row sees key 0: a hidden row's lse is -inf, where finite differences are NaN.
+    mask[..., 0], padding[:, 0] = 0.0, False
+
+    def both_outputs(q, k, v):  # lse is an output too: its gradient enters the backward as grad_lse
+        return fused_attn.attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True,
+                                    key_padding_mask=padding, return_lse=True, backend="cpu")
+
+    assert torch.autograd.gradcheck(both_outputs, (q, k, v))
+
+
+def test_grad_lse_matches_reference(generator):
+    q, k, v = (torch.randn(2, 3, 33, 8, generator=generator, requires_grad=True) for _ in range(3))
+    weights = torch.randn(2, 3, 33, generator=generator)
+    grad_out = torch.randn(2, 3, 33, 8, generator=generator)
+    results = []
+    for backend in ("cpu", "reference"):
+        out, lse = fused_attn.attention(q, k, v, is_causal=True, return_lse=True, backend=backend)
+        loss = (out * grad_out).sum() + (lse * weights).sum()
+        results.append(torch.autograd.grad(loss, (q, k, v)))
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_fully_hidden_rows_give_zero_output_minus_inf_lse_zero_gradients(generator, small_blocks):
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=generator) for _ in range(3))
+    mask = torch.rand(1, 2, 30, 30, generator=generator) < 0.7
+    mask[:, :, 3] = False                        # a row hidden by the mask
+    padding = torch.zeros(1, 30, dtype=torch.bool)
+    out = testing.nan_filled_like(q)
+    out, lse = flash_forward(q, k, v, mask, padding, False, None, out)
+    assert torch.all(out[:, :, 3] == 0) and torch.all(lse[:, :, 3] == float("-inf"))
+    grads = flash_backward(q, k, v, mask, padding, False, None, out, lse, torch.randn_like(out))
+    assert torch.all(grads[0][:, :, 3] == 0)
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+    # Every key padded: every row hidden.
+    padding = torch.ones(1, 30, dtype=torch.bool)
+    out, lse = flash_forward(q, k, v, None, padding, True, None, testing.nan_filled_like(q))
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    grads = flash_backward(q, k, v, None, padding, True, None, out, lse, torch.randn_like(out))
+    assert all(torch.all(grad == 0) for grad in grads)
+
+
+def test_no_keys_and_empty_batch(generator):
+    q = torch.randn(2, 2, 5, 4, generator=generator)
+    k = torch.randn(2, 2, 0, 4)
+    out, lse = flash_forward(q, k, k, out=testing.nan_filled_like(q))
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    dq, dk, dv = flash_backward(q, k, k, None, None, False, None, out, lse, torch.randn_like(out))
+    assert torch.all(dq == 0) and dk.shape == k.shape and dv.shape == k.shape
+    empty = torch.randn(0, 2, 5, 4)
+    out, lse = flash_forward(empty, empty, empty, out=torch.empty_like(empty))
+    assert lse.shape == (0, 2, 5)
+
+
+def deterministic_case(generator, dtype):
+    q = torch.randn(2, 4, 150, 32, generator=generator).to(dtype)
+    k = torch.randn(2, 2, 170, 32, generator=generator).to(dtype)
+    v = torch.randn(2, 2, 170, 32, generator=generator).to(dtype)
+    grad_out = torch.randn(2, 4, 150, 32, generator=generator).to(dtype)
+    return q, k, v, grad_out
+
+
+def gradients(q, k, v, grad_out, causal):
+    out, lse = flash_forward(q, k, v, None, None, causal, None, torch.empty_like(grad_out))
+    return (out, lse) + tuple(flash_backward(q, k, v, None, None, causal, None, out, lse, grad_out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bitwise_deterministic_across_runs_and_thread_counts(generator, small_blocks, dtype, causal):
+    case = deterministic_case(generator, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first, second = gradients(*case, causal), gradients(*case, causal)
+        torch.set_num_threads(1)
+        single = gradients(*case, causal)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(first, second, single):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_refusals():
+    backend = registry.get("cpu")
+    q = torch.randn(1, 1, 2, 4)
+    mask = torch.zeros(1, 1, 2, 2, requires_grad=True)
+    with pytest.raises(registry.BackendError, match="dropout"):
+        fused_attn.attention(q, q, q, dropout_p=0.5, backend="cpu")
+    with pytest.raises(registry.BackendError, match="attn_mask"):
+        fused_attn.attention(q, q, q, attn_mask=mask, backend="cpu")
+    assert backend.devices == ("cpu",)
+
+
+SHARED = torch.randn(2, 4, 6, 8)
+
+
+def bad_call(**changes):
+    """A forward call with one argument replaced."""
+    args = dict(query=torch.randn(2, 4, 6, 8), key=torch.randn(2, 2, 7, 8), value=torch.randn(2, 2, 7, 5),
+                attn_mask=None, key_padding_mask=None, is_causal=False, scale=0.5,
+                out=torch.empty(2, 4, 6, 5))
+    args.update(changes)
+    return lambda: torch.ops.fused_attn.flash_forward(*args.values())
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(query=torch.randn(2, 4, 6)), "query: expected a 4-D"),
+    (dict(key=torch.randn(2, 2, 7)), "key: expected a 4-D"),
+    (dict(value=torch.randn(2, 2, 7, 5, 1)), "value: expected a 4-D"),
+    (dict(query=torch.randn(2, 4, 6, 8, dtype=torch.float64)), "key: expected dtype"),
+    (dict(query=torch.randint(0, 3, (2, 4, 6, 8))), "query: expected dtype"),
+    (dict(key=torch.randn(3, 2, 7, 8)), "key: expected shape"),
+    (dict(key=torch.randn(2, 2, 7, 9)), "key: expected shape"),
+    (dict(value=torch.randn(2, 2, 6, 5)), "value: expected shape"),
+    (dict(key=torch.randn(2, 3, 7, 8), value=torch.randn(2, 3, 7, 5)), "key: expected a number of heads"),
+    (dict(attn_mask=torch.ones(2, 4, 6, 7, dtype=torch.int32)), "attn_mask: expected dtype"),
+    (dict(attn_mask=torch.ones(2, 4, 6, 6, dtype=torch.bool)), "attn_mask: expected shape"),
+    (dict(attn_mask=torch.ones(6, 7, dtype=torch.bool)), "attn_mask: expected a 4-D"),
+    (dict(key_padding_mask=torch.ones(2, 7)), "key_padding_mask: expected dtype"),
+    (dict(key_padding_mask=torch.ones(2, 6, dtype=torch.bool)), "key_padding_mask: expected shape"),
+    (dict(out=torch.empty(2, 4, 6, 8)), "out: expected shape"),
+    (dict(out=torch.empty(2, 4, 6, 5, dtype=torch.float64)), "out: expected dtype"),
+    (dict(out=torch.empty(1, 1, 1, 5).expand(2, 4, 6, 5)), "out: expected a tensor whose elements"),
+    (dict(scale=float("nan")), "scale: expected a finite"),
+    (dict(query=SHARED, out=SHARED[..., :5]), "out: expected memory apart from query"),
+])
+def test_bad_forward_arguments_raise(changes, message):
+    with pytest.raises(RuntimeError, match=message):
+        bad_call(**changes)()
+
+
+def test_bad_backward_arguments_raise():
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    out = torch.empty(1, 2, 5, 4)
+    lse = torch.ops.fused_attn.flash_forward(q, k, v, None, None, False, 0.5, out)
+    good = dict(out=out, lse=lse, grad_out=torch.randn_like(out), grad_lse=None)
+    for changes, message in [
+        (dict(lse=lse.double()), "lse: expected dtype"),
+        (dict(lse=lse[..., :4]), "lse: expected shape"),
+        (dict(grad_out=torch.randn(1, 2, 5, 3)), "grad_out: expected shape"),
+        (dict(out=out.half()), "out: expected dtype"),
+        (dict(grad_lse=torch.randn(1, 2, 4)), "grad_lse: expected shape"),
+    ]:
+        args = dict(good, **changes)
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.fused_attn.flash_backward(q, k, v, None, None, False, 0.5, args["out"], args["lse"],
+                                                args["grad_out"], args["grad_lse"])
+
+
+def test_bad_block_environment_raises(monkeypatch):
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_Q", "zero")
+    with pytest.raises(RuntimeError, match="FUSED_ATTN_CPU_BLOCK_Q"):
+        bad_call()()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequences_meet_criterion(generator, dtype, causal):
+    """Default blocks over many key blocks, lengths not multiples of them."""
+    q = torch.randn(1, 2, 700, 64, generator=generator).to(dtype)
+    k = torch.randn(1, 2, 900, 64, generator=generator).to(dtype)
+    v = torch.randn(1, 2, 900, 64, generator=generator).to(dtype)
+    out, lse = flash_forward(q, k, v, None, None, causal, None, testing.nan_filled_like(q))
+    grad_out = torch.randn(q.shape, generator=generator).to(dtype)
+    grads = flash_backward(q, k, v, None, None, causal, None, out, lse, grad_out)
+    testing.check_against_reference(testing.Results(out, lse, *grads), q, k, v, grad_out, is_causal=causal)
