@@ -30,6 +30,7 @@ caller (the test configuration) has set it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -379,17 +380,19 @@ class KernelConfig:
 # Defaults by kernel, GPU generation (sm_80 table for compute capability < 9, sm_90 from 9 on) and
 # padded head dim (the larger of D_qk and D_v), for 2-byte dtypes. Each fp16/bf16 entry for head dims
 # 64 and 128 is compiled for its target by bench/triton_report.py (tests/test_triton_compile.py): no
-# spills, tensor-core instructions, shared memory within the device limit.
+# spills, tensor-core instructions, shared memory within the device limit. On sm_80 the backward
+# tiles of 64 x 64 with 4 warps spilled (dQ at D=64, dK/dV at D=128) and the forward at D=128 used
+# 244 registers; these entries have 8 warps or narrower key tiles instead.
 _DEFAULTS = {
-    ("fwd", "sm_80"): {64: KernelConfig(128, 64, 4, 3), 128: KernelConfig(128, 64, 8, 3),
+    ("fwd", "sm_80"): {64: KernelConfig(128, 64, 8, 3), 128: KernelConfig(128, 32, 8, 3),
                        256: KernelConfig(64, 32, 4, 2)},
     ("fwd", "sm_90"): {64: KernelConfig(128, 64, 4, 3), 128: KernelConfig(128, 64, 8, 3),
                        256: KernelConfig(64, 32, 4, 2)},
-    ("bwd_dkdv", "sm_80"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(32, 64, 4, 2),
+    ("bwd_dkdv", "sm_80"): {64: KernelConfig(32, 128, 8, 2), 128: KernelConfig(32, 64, 8, 2),
                             256: KernelConfig(16, 32, 4, 1)},
     ("bwd_dkdv", "sm_90"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(32, 64, 4, 2),
                             256: KernelConfig(16, 32, 4, 1)},
-    ("bwd_dq", "sm_80"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(64, 32, 4, 2),
+    ("bwd_dq", "sm_80"): {64: KernelConfig(128, 32, 8, 2), 128: KernelConfig(64, 64, 8, 2),
                           256: KernelConfig(32, 16, 4, 1)},
     ("bwd_dq", "sm_90"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(64, 32, 4, 2),
                           256: KernelConfig(32, 16, 4, 1)},
@@ -545,8 +548,29 @@ def _fitting(kernel, configs, tensor, constexprs):
                                       size) <= max_shared]
 
 
+# Configs forced per kernel name, bypassing defaults and autotuning (see `forced_configs`).
+_forced: dict[str, KernelConfig] = {}
+
+
+@contextlib.contextmanager
+def forced_configs(**configs: KernelConfig):
+    """Within the block, launch the named kernels ("fwd", "bwd_dkdv", "bwd_dq") at these configs.
+
+    Tests use it to cover many blocks per row and column with small problems under the interpreter.
+    """
+    saved = dict(_forced)
+    _forced.update(configs)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
 def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     """The default config for this device, or the smallest candidate that fits it if it does not."""
+    if kernel in _forced:
+        return _forced[kernel]
     head_dim = max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"])
     if tensor.device.type != "cuda":
         return default_config(kernel, "sm_80", head_dim, tensor.element_size())
@@ -581,7 +605,7 @@ def _autotuned(kernel: str):
 
 def _launch(kernel: str, programs_along, args, constexprs, tensor):
     """Runs `kernel`: autotuned on a GPU, at its default config in the interpreter."""
-    if tensor.device.type == "cuda" and _autotune_enabled() and not interpreting():
+    if tensor.device.type == "cuda" and _autotune_enabled() and not interpreting() and kernel not in _forced:
         def grid(meta):
             return (programs_along(meta["BLOCK_M"], meta["BLOCK_N"]),)
         _autotuned(kernel)[grid](*args, **constexprs)
@@ -596,6 +620,12 @@ def _check_device(tensor: torch.Tensor) -> None:
     if tensor.device.type == "cpu" and not interpreting():
         raise RuntimeError("the triton kernels were built for the GPU (TRITON_INTERPRET was not set when "
                            "fused_attn.backends.triton_kernels was first imported); CPU tensors need it")
+
+
+def new_gradient(tensor: torch.Tensor) -> torch.Tensor:
+    """Uninitialised storage for a gradient, laid out like `tensor`; the kernels write every element
+    (the tests replace it by a NaN-filled allocation to check that)."""
+    return torch.empty_like(tensor)
 
 
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out) -> torch.Tensor:
@@ -620,7 +650,7 @@ def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, o
     grid = (triton.cdiv(len_q, PREPROCESS_BLOCK_M) * batch * heads_q,)
     KERNELS["bwd_preprocess"][grid](*args, **constexprs, num_warps=4, num_stages=1)
 
-    grad_query, grad_key, grad_value = (torch.empty_like(t) for t in (query, key, value))
+    grad_query, grad_key, grad_value = (new_gradient(t) for t in (query, key, value))
     args, constexprs = backward_args("bwd_dkdv", query, key, value, attn_mask, key_padding_mask, is_causal,
                                      scale, grad_out, lse, delta, (grad_key, grad_value))
     _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query)

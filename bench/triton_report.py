@@ -1,0 +1,235 @@
+"""Static GPU report of the `triton` backend, made without a GPU.
+
+Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
+bf16; head dims 64 and 128; causal and not) for sm_80 and sm_90 with Triton's own compiler and an
+explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
+`--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
+(spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
+memory is Triton's dynamic allocation from the kernel metadata plus any static shared memory.
+
+The kernels are specialised exactly as a launch would specialise them (`native_specialize_impl`, the
+JIT's own routine) for a representative call: (B, L, H, D) tensors as `split_heads_attention` passes
+them, without masks, H_q == H_kv.
+
+Compilation needs the kernels built as `triton.jit` functions, not for the interpreter, so `report()`
+runs it in a child process with TRITON_INTERPRET unset and TRITON_CACHE_DIR in a temporary directory.
+
+    python -m bench.triton_report            # table
+    python -m bench.triton_report --json     # one JSON object per (kernel, target, config)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TARGETS = {"sm_80": 80, "sm_90": 90}
+TENSOR_CORE_PREFIX = {"sm_80": "HMMA", "sm_90": "HGMMA"}
+SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128)
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
+# Kernels whose work is matrix products; the preprocess is a row-wise reduction without any.
+MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+PREPROCESS_CONFIG = "BLOCK_M={block_m},warps=4,stages=1"
+
+
+def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
+    """One dict per (kernel, target, dtype, head dim, causal): resources, instructions, verdict.
+
+    Keys: backend, kernel, target, dtype, head_dim, causal, config, registers, spill_bytes,
+    stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
+    """
+    with tempfile.TemporaryDirectory(prefix="fused_attn_triton_cache_") as cache:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(TRITON_CACHE_DIR=cache, TRITON_DEFAULT_FP_FUSION="1")
+        command = [sys.executable, "-m", "bench.triton_report", "--json",
+                   "--targets", *targets, "--dtypes", *dtypes,
+                   "--head-dims", *(str(d) for d in head_dims)]
+        root = Path(__file__).resolve().parent.parent
+        done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"bench.triton_report failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def _cuobjdump() -> str:
+    import triton
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def _signature(fn, args, constexprs):
+    """The signature, constants and attributes a launch with `args` would compile `fn` with."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constants, attrs = {}, {}, {}
+    positional = iter(args)
+    for index, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name], constants[name] = "constexpr", constexprs[name]
+            continue
+        kind, attribute = native_specialize_impl(BaseBackend, next(positional), False, True, True)
+        if kind == "constexpr":  # an integer 1 is specialised into the code
+            signature[name], constants[name] = "constexpr", attribute
+            continue
+        signature[name] = kind
+        attrs[(index,)] = BaseBackend.parse_attr(attribute or "")
+    return signature, constants, attrs
+
+
+def _representative_call(kernel, dtype_name, head_dim, causal):
+    """(kernel fn, args, constexprs, config string, KernelConfig or None) for one report row."""
+    import torch
+    from fused_attn.backends import triton_kernels as tk
+    from fused_attn.problem import output_like
+
+    dtype = getattr(torch, dtype_name)
+    batch, heads, length = 2, 4, 256
+    # (B, L, H, D) storage viewed as (B, H, L, D): heads split out of (B, L, E) projections.
+    def tensor():
+        return torch.empty(batch, length, heads, head_dim, dtype=dtype).permute(0, 2, 1, 3)
+    q, k, v, grad_out = tensor(), tensor(), tensor(), tensor()
+    out = output_like(q, head_dim, seq_first=False)
+    lse = torch.empty(batch, heads, length, dtype=torch.float32)
+    delta = torch.empty_like(lse)
+    scale = head_dim ** -0.5
+    if kernel == "fwd":
+        args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse)
+    elif kernel == "bwd_preprocess":
+        args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
+        return tk.KERNELS[kernel], args, constexprs, PREPROCESS_CONFIG.format(block_m=tk.PREPROCESS_BLOCK_M), None
+    else:
+        grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
+        args, constexprs = tk.backward_args(kernel, q, k, v, None, None, causal, scale, grad_out, lse, delta,
+                                            grads)
+    return tk.KERNELS[kernel], args, constexprs, None, dtype
+
+
+def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool) -> dict:
+    tool = _cuobjdump()
+    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+
+    def field(name):
+        found = re.search(rf"\b{name}:(\d+)", usage)
+        return int(found.group(1)) if found else 0
+
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE)
+    tensor_core = {}
+    local_accesses = 0
+    for opcode in opcodes:
+        base = opcode.split(".")[0]
+        if base in ("HMMA", "HGMMA", "IMMA", "WGMMA"):
+            tensor_core[opcode] = tensor_core.get(opcode, 0) + 1
+        if base in ("LDL", "STL"):
+            local_accesses += 1
+    row = {
+        "registers": field("REG"),
+        "spill_bytes": field("LOCAL"),
+        "stack_bytes": field("STACK"),
+        "shared_bytes": int(metadata.get("shared", 0)) + field("SHARED"),
+        "tensor_core_instructions": tensor_core,
+        "instructions": len(opcodes),
+    }
+    problems = []
+    if not opcodes:
+        problems.append("no SASS instructions found in the cubin")
+    if local_accesses or row["spill_bytes"]:
+        problems.append(f"register spills: {local_accesses} local loads/stores, {row['spill_bytes']} bytes local")
+    if row["stack_bytes"]:
+        problems.append(f"stack frame of {row['stack_bytes']} bytes")
+    prefix = TENSOR_CORE_PREFIX[target]
+    if needs_tensor_cores and not any(op.split(".")[0] == prefix for op in tensor_core):
+        problems.append(f"no {prefix} instructions (found {sorted(tensor_core) or 'none'})")
+    if row["shared_bytes"] > SHARED_MEMORY_LIMIT[target]:
+        problems.append(f"shared memory {row['shared_bytes']} B > {SHARED_MEMORY_LIMIT[target]} B")
+    row["problems"] = problems
+    return row
+
+
+def _compile_row(kernel, target, dtype_name, head_dim, causal, config=None) -> dict:
+    """Compiles one kernel at its default config (or `config`, a KernelConfig) and inspects it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fused_attn.backends import triton_kernels as tk
+
+    fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal)
+    options = {"num_warps": 4, "num_stages": 1}
+    if config_text is None:
+        if config is None:
+            config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize)
+        constexprs = dict(constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        config_text = str(config)
+    row = {"backend": "triton", "kernel": kernel, "target": target, "dtype": dtype_name,
+           "head_dim": head_dim, "causal": causal, "config": config_text}
+    signature, constants, attrs = _signature(fn, args, constexprs)
+    try:
+        compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
+                                  target=GPUTarget("cuda", TARGETS[target], 32), options=options)
+    except Exception as error:  # a config that does not compile is a reported failure, not a crash
+        message = str(error).strip().splitlines()
+        return dict(row, registers=0, spill_bytes=0, stack_bytes=0, shared_bytes=0,
+                    tensor_core_instructions={}, fits=False,
+                    problems=[f"does not compile: {type(error).__name__}: {message[-1] if message else ''}"])
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin = Path(scratch) / f"{kernel}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        metadata = {"shared": compiled.metadata.shared}
+        row.update(_inspect(cubin, metadata, target, kernel in MATMUL_KERNELS))
+    row["fits"] = not row["problems"]
+    return row
+
+
+def _rows(targets, dtypes, head_dims):
+    for target in targets:
+        for dtype_name in dtypes:
+            for head_dim in head_dims:
+                for kernel in KERNELS:
+                    # The preprocess does not depend on causality.
+                    for causal in ((False,) if kernel == "bwd_preprocess" else (False, True)):
+                        yield _compile_row(kernel, target, dtype_name, head_dim, causal)
+
+
+def _table(rows) -> str:
+    lines = [f"{'kernel':15} {'target':6} {'dtype':8} {'D':>3} {'causal':6} {'regs':>4} {'smem KB':>7} "
+             f"{'spill':>5} {'tensor core':28} {'config':42} verdict"]
+    for r in rows:
+        cores = ",".join(f"{k}x{v}" for k, v in r["tensor_core_instructions"].items()) or "-"
+        verdict = "ok" if r["fits"] else "; ".join(r["problems"])
+        lines.append(f"{r['kernel']:15} {r['target']:6} {r['dtype']:8} {r['head_dim']:>3} {str(r['causal']):6} "
+                     f"{r['registers']:>4} {r['shared_bytes'] / 1024:>7.1f} {r['spill_bytes']:>5} "
+                     f"{cores[:28]:28} {r['config']:42} {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="compile here and print one JSON row per line")
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
+    options = parser.parse_args(argv)
+    if options.json:
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            parser.error("--json compiles for the GPU: unset TRITON_INTERPRET")
+        for row in _rows(options.targets, options.dtypes, options.head_dims):
+            print(json.dumps(row), flush=True)
+        return 0
+    rows = report(options.targets, options.dtypes, options.head_dims)
+    print(_table(rows))
+    return 0 if all(r["fits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

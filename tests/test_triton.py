@@ -1,0 +1,600 @@
+"""The `triton` backend against the float64 reference, by the criterion of DESIGN.md.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1);
+with one, the same tests run compiled on CUDA tensors. Problems are small: the interpreter executes
+every program in Python. To cover several blocks per row and column with them, half of the cases force
+small tiles (16 and 32, different for queries and keys), the other half use the default configs.
+
+Every case gives q, k, v, the output, grad_out and the mask each its own memory layout, fills the
+output and the gradients with NaN before the kernels run, and checks output, log-sum-exp, dq, dk, dv.
+
+Triton's interpreter computes `tl.dot` on bfloat16 operands on their raw bit patterns
+(triton-lang/triton#11584) and truncates fp32 -> bfloat16 conversions where the GPU rounds to nearest
+even. The `bf16_dot_remedy` fixture patches both inside the interpreter to what the GPU computes; the
+kernel source stays exactly what the GPU compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import fused_attn
+from fused_attn import testing
+from fused_attn.backends import reference, registry
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from fused_attn.backends import triton_kernels as tk  # noqa: E402
+from fused_attn.backends.triton import TritonBackend  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPE_IDS = ("fp16", "bf16", "fp32")
+BACKEND = TritonBackend()
+
+if not HAS_CUDA and not tk.interpreting():
+    pytest.skip("no CUDA device and the triton kernels were not built for the interpreter",
+                allow_module_level=True)
+
+# Small tiles, different along queries and keys, so that a 40-long sequence spans several blocks and
+# the causal start of the dK/dV loop is rounded down to a query block.
+SMALL_TILES = dict(fwd=tk.KernelConfig(16, 32, 4, 1), bwd_dkdv=tk.KernelConfig(32, 16, 4, 1),
+                   bwd_dq=tk.KernelConfig(16, 32, 4, 1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The bf16 remedy of the interpreter
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def bf16_dot_remedy():
+    """Makes the interpreter's bfloat16 arithmetic what the GPU computes, leaving the kernels alone.
+
+    Two faults of the interpreter (Triton 3.9), each patched on the interpreter's builder:
+    - `tl.dot` on bf16 operands multiplies their raw uint16 bit patterns; the remedy converts the
+      operands to fp32 first (tensor cores: exact products, fp32 accumulation).
+    - fp32 -> bf16 conversion truncates the mantissa, where the GPU rounds to nearest even; the
+      truncation's bias accumulates (in dS rounded before dQ = dS K it exceeded the error bound).
+      The remedy rounds to nearest even, as torch does.
+    Returns counters {"bf16_dots": n, "bf16_casts": n} and the interpreter's own methods.
+    """
+    counter = {"bf16_dots": 0, "bf16_casts": 0, "create_dot": None, "cast_impl": None}
+    if HAS_CUDA or not tk.interpreting():
+        yield counter
+        return
+    from triton.runtime import interpreter
+
+    original_dot = counter["create_dot"] = interpreter.InterpreterBuilder.create_dot
+    original_cast = counter["cast_impl"] = interpreter.InterpreterBuilder.cast_impl
+
+    def as_float32(handle):
+        if handle.dtype != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            counter["bf16_dots"] += 1
+            a, b = as_float32(a), as_float32(b)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            counter["bf16_casts"] += 1
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+        patch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+        yield counter
+
+
+@pytest.fixture(autouse=True)
+def nan_gradients(monkeypatch):
+    """Gradients start as NaN, so an element the kernels fail to write shows."""
+    monkeypatch.setattr(tk, "new_gradient", testing.nan_filled_like)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Problems
+# ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    heads_q: int = 2
+    heads_kv: int = 2
+    len_q: int = 40
+    len_k: int = 40
+    dim_qk: int = 16
+    dim_v: int | None = None
+    is_causal: bool = False
+    mask: str | None = None          # "bool" or "additive"
+    mask_shape: str = "full"         # "full", "2d", "batch", "heads_keys", "keys"
+    mask_layout: str = "contiguous"  # "contiguous", "transposed", "sliced"
+    key_padding: bool = False
+    scale: float | None = None
+    hidden_rows: bool = False        # some rows see no key at all
+    lse_grad: bool = False           # a gradient flows into the returned log-sum-exp
+
+
+CASES = {
+    "plain": Case(),
+    "causal": Case(is_causal=True),
+    "causal_short_queries": Case(len_q=19, len_k=50, is_causal=True),
+    "causal_long_queries": Case(len_q=50, len_k=19, is_causal=True),
+    "lq_ne_lk": Case(len_q=23, len_k=57),
+    "bool_mask_full_transposed": Case(mask="bool", mask_layout="transposed"),
+    "bool_mask_2d_sliced": Case(mask="bool", mask_shape="2d", mask_layout="sliced", is_causal=True),
+    "bool_mask_keys": Case(mask="bool", mask_shape="keys", len_q=33, len_k=41),
+    "additive_mask_heads_keys": Case(mask="additive", mask_shape="heads_keys"),
+    "additive_mask_batch_sliced": Case(mask="additive", mask_shape="batch", mask_layout="sliced",
+                                       is_causal=True),
+    "additive_mask_full_transposed": Case(mask="additive", mask_layout="transposed", len_q=21, len_k=35),
+    "key_padding": Case(key_padding=True, len_k=45),
+    "key_padding_and_mask": Case(key_padding=True, mask="bool", mask_shape="batch", is_causal=True),
+    "gqa": Case(heads_q=4, heads_kv=2, is_causal=True),
+    "mqa": Case(heads_q=3, heads_kv=1, mask="additive", mask_shape="heads_keys"),
+    "head_dim_1": Case(dim_qk=1, len_q=17, len_k=29),
+    "head_dim_3": Case(dim_qk=3, is_causal=True),
+    "head_dim_40_dv_24": Case(dim_qk=40, dim_v=24),
+    "dv_ne_dqk": Case(dim_qk=8, dim_v=20, heads_q=4, heads_kv=1),
+    "single_key_and_query": Case(len_q=1, len_k=1),
+    "custom_scale": Case(scale=0.37, mask="additive", mask_shape="2d"),
+    "hidden_rows": Case(hidden_rows=True, mask="bool", is_causal=True, key_padding=True),
+    "hidden_rows_additive": Case(hidden_rows=True, mask="additive", mask_shape="batch"),
+    "lse_grad": Case(lse_grad=True, is_causal=True, mask="bool", mask_shape="2d"),
+    "lse_grad_gqa": Case(lse_grad=True, heads_q=4, heads_kv=2, key_padding=True),
+}
+
+# Each rotation gives q, k, v, out and grad_out five different layouts, and across the rotations
+# every tensor sees every layout.
+ROTATIONS = range(len(testing.LAYOUTS))
+
+
+def _layouts(rotation: int) -> dict[str, str]:
+    names = ("query", "key", "value", "out", "grad_out")
+    layouts = testing.LAYOUTS
+    return {name: layouts[(rotation + i) % len(layouts)] for i, name in enumerate(names)}
+
+
+MASK_SHAPES = {
+    "full": lambda b, h, q, k: (b, h, q, k),
+    "2d": lambda b, h, q, k: (q, k),
+    "batch": lambda b, h, q, k: (b, 1, q, k),
+    "heads_keys": lambda b, h, q, k: (1, h, 1, k),
+    "keys": lambda b, h, q, k: (b, 1, 1, k),
+}
+
+
+def _laid_out_mask(values: torch.Tensor, layout: str, generator) -> torch.Tensor:
+    """`values` in its own storage: as is, transposed in memory, or a strided slice of garbage."""
+    if layout == "contiguous":
+        return values.clone()
+    if layout == "transposed":
+        return values.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "sliced":
+        shape = (*values.shape[:-1], 2 * values.shape[-1] + 1)
+        if values.dtype == torch.bool:
+            storage = (torch.rand(shape, generator=generator) < 0.5).to(values.device)
+        else:
+            storage = torch.full(shape, float("nan"), dtype=values.dtype, device=values.device)
+        view = storage[..., 1::2]
+        view.copy_(values)
+        return view
+    raise ValueError(layout)
+
+
+@dataclasses.dataclass
+class Inputs:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    grad_out: torch.Tensor
+    grad_lse: torch.Tensor | None
+    attn_mask: torch.Tensor | None     # as given by a user (broadcastable)
+    key_padding_mask: torch.Tensor | None
+
+    def mask_view(self) -> torch.Tensor | None:
+        """The mask as every backend receives it: (B, H_q, L_q, L_k), stride 0 where broadcast."""
+        if self.attn_mask is None:
+            return None
+        b, h, q = self.query.shape[:3]
+        return self.attn_mask.expand(b, h, q, self.key.shape[2])
+
+
+def make_inputs(case: Case, dtype, rotation: int, generator) -> Inputs:
+    layouts = _layouts(rotation)
+    dim_v = case.dim_v or case.dim_qk
+
+    def tensor(name, heads, length, dim):
+        values = torch.randn(case.batch, heads, length, dim, generator=generator).to(dtype).to(DEVICE)
+        return testing.strided(values, layouts[name])
+
+    query = tensor("query", case.heads_q, case.len_q, case.dim_qk)
+    key = tensor("key", case.heads_kv, case.len_k, case.dim_qk)
+    value = tensor("value", case.heads_kv, case.len_k, dim_v)
+    grad_out = tensor("grad_out", case.heads_q, case.len_q, dim_v)
+    mask = None
+    if case.mask is not None:
+        shape = MASK_SHAPES[case.mask_shape](case.batch, case.heads_q, case.len_q, case.len_k)
+        values = testing.random_mask(shape, case.mask, dtype, generator=generator)
+        if case.hidden_rows:
+            values = _hide_rows(values, case, generator)
+        mask = _laid_out_mask(values.to(DEVICE), case.mask_layout, generator)
+    padding = None
+    if case.key_padding:
+        padding = torch.rand(case.batch, case.len_k, generator=generator) < 0.3
+        if case.hidden_rows:
+            padding[0] = True  # the whole first batch sees no key
+        padding = padding.to(DEVICE)
+    grad_lse = None
+    if case.lse_grad:
+        grad_lse = torch.randn(case.batch, case.heads_q, case.len_q, generator=generator).to(DEVICE)
+    return Inputs(query, key, value, grad_out, grad_lse, mask, padding)
+
+
+def _hide_rows(values: torch.Tensor, case: Case, generator) -> torch.Tensor:
+    """Hides every key from about one query row in three (where the mask has a query dim)."""
+    full = values.expand(*values.shape[:-2], case.len_q, case.len_k).clone()
+    rows = torch.rand(case.len_q, generator=generator) < 0.33
+    rows[0] = True
+    hidden = False if values.dtype == torch.bool else float("-inf")
+    full[..., rows, :] = hidden
+    return full
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running and checking
+# ---------------------------------------------------------------------------------------------------
+
+def _scale(case: Case) -> float:
+    return case.dim_qk ** -0.5 if case.scale is None else case.scale
+
+
+def run_backend(inputs: Inputs, case: Case, out_layout: str) -> testing.Results:
+    """Forward and backward through the backend's entry points, the output NaN-poisoned in its layout."""
+    q, k, v = inputs.query, inputs.key, inputs.value
+    mask = inputs.mask_view()
+    out_shape = (*q.shape[:3], v.shape[3])
+    out = testing.strided(torch.full(out_shape, float("nan"), dtype=q.dtype, device=q.device), out_layout)
+    out.fill_(float("nan"))
+    lse = BACKEND.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, _scale(case), out)
+    dq, dk, dv = BACKEND.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, _scale(case), out,
+                                  lse, inputs.grad_out, inputs.grad_lse)
+    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype, name
+    return testing.Results(out, lse, dq, dk, dv)
+
+
+def reference_with_lse_grad(inputs: Inputs, case: Case, dtype) -> testing.Results:
+    """The einsum reference in `dtype`, differentiated through both the output and the lse."""
+    def prepared(tensor):
+        return tensor.detach().to("cpu", dtype).requires_grad_()
+
+    q, k, v = (prepared(t) for t in (inputs.query, inputs.key, inputs.value))
+    mask = inputs.mask_view()
+    if mask is not None:
+        mask = mask.cpu() if mask.dtype == torch.bool else mask.cpu().to(dtype)
+    padding = None if inputs.key_padding_mask is None else inputs.key_padding_mask.cpu()
+    out, lse = reference.attention(q, k, v, mask, padding, case.is_causal, _scale(case))
+    loss = (out * inputs.grad_out.cpu().to(dtype)).sum() + (lse * inputs.grad_lse.cpu().to(lse.dtype)).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    return testing.Results(out.detach(), lse.detach(), *grads)
+
+
+def check(results: testing.Results, inputs: Inputs, case: Case):
+    if case.lse_grad:
+        exact = reference_with_lse_grad(inputs, case, torch.float64)
+        same = reference_with_lse_grad(inputs, case, inputs.query.dtype)
+        return testing.assert_close_to_reference(results, exact, same, inputs.query.dtype)
+    return testing.check_against_reference(
+        results, inputs.query, inputs.key, inputs.value, inputs.grad_out, attn_mask=inputs.mask_view(),
+        key_padding_mask=inputs.key_padding_mask, is_causal=case.is_causal, scale=case.scale)
+
+
+def _tiles(rotation: int) -> dict:
+    return SMALL_TILES if rotation % 2 == 0 else {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rotation", ROTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name, dtype, rotation, generator):
+    case = CASES[name]
+    inputs = make_inputs(case, dtype, rotation, generator)
+    with tk.forced_configs(**_tiles(rotation)):
+        results = run_backend(inputs, case, _layouts(rotation)["out"])
+    check(results, inputs, case)
+    if case.hidden_rows:
+        hidden = torch.isinf(results.lse)
+        assert hidden.any(), "the case was meant to have rows that see no key"
+        assert (results.out[hidden] == 0).all()
+        assert (results.lse[hidden] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", ["gqa", "key_padding_and_mask", "lse_grad_gqa", "hidden_rows"])
+def test_gradients_bitwise_identical_on_two_runs(name, dtype, generator):
+    case = CASES[name]
+    inputs = make_inputs(case, dtype, 1, generator)
+    with tk.forced_configs(**SMALL_TILES):
+        first = run_backend(inputs, case, "contiguous")
+        second = run_backend(inputs, case, "seq_first")
+    for field in ("grad_query", "grad_key", "grad_value"):
+        a, b = getattr(first, field), getattr(second, field)
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b), field
+
+
+def _public_reference(inputs, case, dtype, call):
+    """(out, lse, grads) of `call` run by the reference backend on copies in `dtype`."""
+    q, k, v = (t.detach().cpu().to(dtype).requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    mask = inputs.attn_mask
+    if mask is not None:
+        mask = mask.cpu() if mask.dtype == torch.bool else mask.cpu().to(dtype)
+    padding = None if inputs.key_padding_mask is None else inputs.key_padding_mask.cpu()
+    out, lse = call(q, k, v, mask, padding, "reference")
+    grads = torch.autograd.grad(out, (q, k, v), inputs.grad_out.cpu().to(dtype))
+    return testing.Results(out.detach(), lse.detach(), *grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", ["causal", "gqa", "additive_mask_batch_sliced", "key_padding_and_mask",
+                                  "head_dim_40_dv_24"])
+def test_public_attention_with_autograd(name, dtype, generator):
+    """fused_attn.attention(backend="triton"): the registered ops, their autograd, the mask view."""
+    case = CASES[name]
+    inputs = make_inputs(case, dtype, 2, generator)
+
+    def call(q, k, v, mask, padding, backend):
+        return fused_attn.attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
+                                    enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=padding,
+                                    return_lse=True, backend=backend)
+
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    with tk.forced_configs(**SMALL_TILES):
+        out, lse = call(q, k, v, inputs.attn_mask, inputs.key_padding_mask, "triton")
+        grads = torch.autograd.grad(out, (q, k, v), inputs.grad_out)
+    exact = _public_reference(inputs, case, torch.float64, call)
+    same = _public_reference(inputs, case, dtype, call)
+    testing.assert_close_to_reference(testing.Results(out, lse, *grads), exact, same, dtype)
+
+
+def _recording_launches(monkeypatch):
+    """Records, for every kernel launch, the tensors handed to the kernel."""
+    launches = []
+    launch = tk._launch
+
+    def recording(kernel, programs_along, args, constexprs, tensor):
+        launches.append((kernel, [a for a in args if isinstance(a, torch.Tensor)]))
+        return launch(kernel, programs_along, args, constexprs, tensor)
+
+    monkeypatch.setattr(tk, "_launch", recording)
+    return launches
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["BLE", "LBE"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_split_heads_on_packed_projection_reads_and_writes_in_place(batch_first, dtype, generator,
+                                                                     monkeypatch):
+    """Q, K, V are slices of one packed (B, L, 3E) / (L, B, 3E) projection; the kernel gets those very
+    views and writes the merged (B, L, E) output itself: no copy on the way in or out."""
+    batch, length, heads, dim = 2, 37, 3, 12
+    embed = heads * dim
+    shape = (batch, length, 3 * embed) if batch_first else (length, batch, 3 * embed)
+    packed = torch.randn(shape, generator=generator).to(dtype).to(DEVICE).requires_grad_()
+    q, k, v = packed.split(embed, dim=-1)
+    launches = _recording_launches(monkeypatch)
+    with tk.forced_configs(**SMALL_TILES):
+        merged, lse = fused_attn.split_heads_attention(q, k, v, heads, is_causal=True, batch_first=batch_first,
+                                                       return_lse=True, backend="triton")
+        grad_merged = torch.randn(merged.shape, generator=generator).to(dtype).to(DEVICE)
+        (grad_packed,) = torch.autograd.grad(merged, packed, grad_merged)
+
+    kernel, tensors = launches[0]
+    assert kernel == "fwd"
+    kernel_q, kernel_k, kernel_v, kernel_out = tensors[:4]
+    storage = packed.untyped_storage().data_ptr()
+    for got, part in zip((kernel_q, kernel_k, kernel_v), (q, k, v)):
+        assert got.untyped_storage().data_ptr() == storage      # the projection itself, not a copy
+        assert got.data_ptr() == part.data_ptr()
+    assert kernel_q.stride() == fused_attn.functional._split_heads("q", q, heads, batch_first).stride()
+    # The kernel wrote the merged output in place: same storage and offset, and a free view of it.
+    assert merged.untyped_storage().data_ptr() == kernel_out.untyped_storage().data_ptr()
+    assert merged.data_ptr() == kernel_out.data_ptr()
+    assert merged.is_contiguous()
+    assert [name for name, _ in launches] == ["fwd", "bwd_dkdv", "bwd_dq"]
+    for _, backward_tensors in launches[1:]:
+        assert backward_tensors[0].untyped_storage().data_ptr() == storage
+
+    def reference_call(dtype_ref):
+        packed_ref = packed.detach().cpu().to(dtype_ref).requires_grad_()
+        parts = packed_ref.split(embed, dim=-1)
+        out_ref, lse_ref = fused_attn.split_heads_attention(*parts, heads, is_causal=True,
+                                                            batch_first=batch_first, return_lse=True,
+                                                            backend="reference")
+        (grad_ref,) = torch.autograd.grad(out_ref, packed_ref, grad_merged.cpu().to(dtype_ref))
+        return testing.Results(out_ref.detach(), lse_ref.detach(), grad_ref)
+
+    testing.assert_close_to_reference(testing.Results(merged, lse, grad_packed),
+                                      reference_call(torch.float64), reference_call(dtype), dtype)
+
+
+def test_bf16_remedy_is_exercised(bf16_dot_remedy, generator):
+    if HAS_CUDA:
+        pytest.skip("compiled kernels compute bf16 dots on the GPU; no remedy involved")
+    case = CASES["causal"]
+    before, casts_before = bf16_dot_remedy["bf16_dots"], bf16_dot_remedy["bf16_casts"]
+    inputs = make_inputs(case, torch.bfloat16, 0, generator)
+    with tk.forced_configs(**SMALL_TILES):
+        results = run_backend(inputs, case, "contiguous")
+    check(results, inputs, case)
+    # Forward: 2 dots per visited key block; backward: 3 per dK/dV step and 2 per dQ step; every
+    # step rounds P or dS to bf16.
+    assert bf16_dot_remedy["bf16_dots"] - before >= 2 * 3
+    assert bf16_dot_remedy["bf16_casts"] - casts_before >= 3
+
+
+def test_bf16_without_remedy_is_wrong_in_the_interpreter(bf16_dot_remedy, generator):
+    """Shows the remedy is needed: the unpatched interpreter's bf16 dot breaks the forward."""
+    if HAS_CUDA:
+        pytest.skip("interpreter only")
+    from triton.runtime import interpreter
+
+    case = CASES["plain"]
+    inputs = make_inputs(case, torch.bfloat16, 0, generator)
+    patched = interpreter.InterpreterBuilder.create_dot
+    try:
+        interpreter.InterpreterBuilder.create_dot = bf16_dot_remedy["create_dot"]
+        out = torch.full((*inputs.query.shape[:3], inputs.value.shape[3]), float("nan"), dtype=torch.bfloat16)
+        BACKEND.forward(inputs.query, inputs.key, inputs.value, None, None, False, _scale(case), out)
+    finally:
+        interpreter.InterpreterBuilder.create_dot = patched
+    exact = testing.reference_results(inputs.query, inputs.key, inputs.value, dtype=torch.float64)
+    error = testing.max_error(out, exact.out)
+    if error < 0.1:
+        pytest.skip(f"this Triton's interpreter computes bf16 dots right (error {error:.1e}); "
+                    "the remedy is no longer needed")
+    assert not error < 0.1
+
+
+def test_bf16_conversion_without_remedy_truncates_in_the_interpreter(bf16_dot_remedy):
+    """1 + 3 * 2^-9 lies nearer 1 + 2^-7 than 1 among bf16 values: the GPU rounds up, the unpatched
+    interpreter truncates to 1, the remedy rounds up."""
+    if HAS_CUDA:
+        pytest.skip("interpreter only")
+    from triton.runtime import interpreter
+
+    value = interpreter.TensorHandle(np.array([1 + 3 * 2.0 ** -9], dtype=np.float32), tl.float32)
+    builder = interpreter.interpreter_builder
+
+    def converted(cast_impl):
+        bits = cast_impl(builder, value, tl.bfloat16).data.astype(np.uint16)
+        return float(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)[0])
+
+    assert converted(interpreter.InterpreterBuilder.cast_impl) == 1 + 2.0 ** -7  # the remedy
+    unpatched = converted(bf16_dot_remedy["cast_impl"])
+    if unpatched == 1 + 2.0 ** -7:
+        pytest.skip("this Triton's interpreter rounds fp32 -> bf16 to nearest; the remedy is no longer needed")
+    assert unpatched == 1.0
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# Choice and refusals
+# ---------------------------------------------------------------------------------------------------
+
+def _small(dtype=torch.float32, device=DEVICE, **kwargs):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(1, 2, 5, 8, generator=g).to(dtype).to(device) for _ in range(3)]
+
+
+def test_explicit_request_refused_for_dropout_lists_reasons():
+    q, k, v = _small()
+    with pytest.raises(registry.BackendError, match=r"'triton' cannot run.*triton: dropout is not supported"):
+        fused_attn.attention(q, k, v, dropout_p=0.1, backend="triton")
+
+
+def test_explicit_request_refused_for_mask_requiring_grad():
+    q, k, v = _small()
+    mask = torch.zeros(5, 5, requires_grad=True)
+    with pytest.raises(registry.BackendError, match=r"triton: attn_mask requires grad"):
+        fused_attn.attention(q, k, v, attn_mask=mask, backend="triton")
+
+
+@pytest.mark.parametrize("dtype, dim, reason", [
+    (torch.float64, 8, "dtype torch.float64 is not supported"),
+    (torch.float32, 300, "head dim 300 is outside 1..256"),
+])
+def test_explicit_request_refused_for_unsupported_problem(dtype, dim, reason):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 1, 3, dim, generator=g).to(dtype).to(DEVICE) for _ in range(3))
+    with pytest.raises(registry.BackendError, match=reason):
+        fused_attn.attention(q, k, v, backend="triton")
+
+
+def test_never_chosen_automatically_for_cpu_tensors():
+    q, k, v = _small(device="cpu")
+    problem = fused_attn.problem.Problem.of(q, k, v, None, None, False, 0.0)
+    assert registry.choose(problem).name != "triton"
+    assert registry.choose(problem, "triton").name == "triton"  # the interpreter takes it on request
+
+
+def test_cpu_tensors_refused_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = _small(device="cpu")
+    problem = fused_attn.problem.Problem.of(q, k, v, None, None, False, 0.0)
+    assert any("TRITON_INTERPRET" in reason for reason in BACKEND.refusals(problem))
+
+
+def test_empty_problems():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 4, 8, generator=g).to(DEVICE).requires_grad_()
+    k = torch.randn(1, 2, 0, 8, generator=g).to(DEVICE).requires_grad_()
+    v = torch.randn(1, 2, 0, 8, generator=g).to(DEVICE).requires_grad_()
+    out, lse = fused_attn.attention(q, k, v, return_lse=True, backend="triton")
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert (grads[0] == 0).all() and grads[1].shape == k.shape
+
+
+@pytest.mark.parametrize("allow_tf32, expected", [(False, "ieee"), (True, "tf32")])
+def test_fp32_precision_follows_torch_allow_tf32(allow_tf32, expected):
+    q, k, v = _small(torch.float32)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3])
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        _, constexprs = tk.forward_args(q, k, v, None, None, False, 0.5, out, lse)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert constexprs["PRECISION"] == expected
+    _, constexprs = tk.forward_args(q.half(), k.half(), v.half(), None, None, False, 0.5, out.half(), lse)
+    assert constexprs["PRECISION"] == "ieee"  # irrelevant for fp16: tensor cores with fp32 accumulation
+
+
+# ---------------------------------------------------------------------------------------------------
+# Larger problems: compiled on a GPU, or slow in the interpreter
+# ---------------------------------------------------------------------------------------------------
+
+LARGE_CASES = {
+    "causal_gqa_d64": Case(batch=2, heads_q=8, heads_kv=2, len_q=300, len_k=300, dim_qk=64, is_causal=True),
+    "mask_d128": Case(batch=1, heads_q=4, heads_kv=4, len_q=257, len_k=513, dim_qk=128, mask="additive",
+                      mask_shape="batch", key_padding=True),
+    "d256_dv96": Case(batch=1, heads_q=2, heads_kv=2, len_q=130, len_k=190, dim_qk=256, dim_v=96,
+                      is_causal=True),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(LARGE_CASES))
+def test_large_on_gpu(name, dtype, generator):
+    case = LARGE_CASES[name]
+    inputs = make_inputs(case, dtype, 1, generator)
+    check(run_backend(inputs, case, "heads_inner"), inputs, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(LARGE_CASES))
+def test_large_default_configs(name, dtype, generator):
+    case = LARGE_CASES[name]
+    inputs = make_inputs(case, dtype, 3, generator)
+    check(run_backend(inputs, case, "seq_first"), inputs, case)
