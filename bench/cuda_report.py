@@ -1,0 +1,302 @@
+"""Static GPU report of the `cuda` backend, made without a GPU.
+
+Every kernel instance the extension ships (FUSED_ATTN_CUDA_FOR_EACH_INSTANCE in
+csrc/cuda/flash_kernels.cuh: fp16, bf16 and fp32 at head dims 32, 64, 128, 256; forward, backward
+dK/dV and dQ, plus the backward's delta kernel per dtype) is compiled by nvcc for sm_80 and sm_90
+from one generated translation unit that instantiates them explicitly. ptxas's own report
+(`-Xptxas -v --resource-usage`) gives registers, stack and spills; the tile configuration and the
+dynamic shared memory of each instance come from the same header, printed by the host part of that
+translation unit (run on the CPU, it makes no CUDA call); `cuobjdump --dump-sass` (nvcc's, or the
+one in the Triton wheel) counts the tensor-core instructions (HMMA; HGMMA would be warpgroup MMA on
+sm_90, which WMMA does not use).
+
+Causal masking is a runtime argument of these kernels, so `causal` is None in every row.
+
+    python -m bench.cuda_report            # table
+    python -m bench.cuda_report --json     # one JSON object per (kernel instance, target)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_DIR = ROOT / "csrc" / "cuda"
+TARGETS = ("sm_80", "sm_90")
+SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+MAX_REGISTERS = 255  # per thread; __launch_bounds__(128, 1) lets ptxas use all of them
+TENSOR_CORE_PREFIXES = ("HMMA", "HGMMA")
+DTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32"}
+MANGLED_DTYPES = {"6__half": "__half", "13__nv_bfloat16": "__nv_bfloat16", "f": "float"}
+# Kernels made of tile products: on tensor cores for fp16/bf16, on CUDA cores for fp32.
+MATMUL_KERNELS = ("forward", "backward_dkdv", "backward_dq")
+
+# The generated translation unit: explicit instantiations of every shipped kernel, and a host
+# main() printing each instance's configuration as JSON lines.
+INSTANCES_SOURCE = r"""
+#include "flash_kernels.cuh"
+#include <cstdio>
+
+#define FA_INSTANTIATE(T, D)                                                                    \
+  template __global__ void fused_attn_cuda::flash_forward_kernel<T, D>(const fused_attn_cuda::ForwardParams);        \
+  template __global__ void fused_attn_cuda::flash_backward_dkdv_kernel<T, D>(const fused_attn_cuda::BackwardParams); \
+  template __global__ void fused_attn_cuda::flash_backward_dq_kernel<T, D>(const fused_attn_cuda::BackwardParams);
+FUSED_ATTN_CUDA_FOR_EACH_INSTANCE(FA_INSTANTIATE)
+template __global__ void fused_attn_cuda::flash_backward_delta_kernel<__half>(const fused_attn_cuda::DeltaParams);
+template __global__ void fused_attn_cuda::flash_backward_delta_kernel<__nv_bfloat16>(const fused_attn_cuda::DeltaParams);
+template __global__ void fused_attn_cuda::flash_backward_delta_kernel<float>(const fused_attn_cuda::DeltaParams);
+
+template <int KIND>
+static void print_config(const char* kernel, const char* dtype, int head, int m, int n, int shared) {
+  std::printf("{\"kernel\": \"%s\", \"dtype\": \"%s\", \"head_dim\": %d, \"block_m\": %d, "
+              "\"block_n\": %d, \"threads\": %d, \"dynamic_shared_bytes\": %d}\n",
+              kernel, dtype, head, m, n, fused_attn_cuda::kThreads, shared);
+}
+
+#define FA_PRINT_ONE(KIND, NAME, T, D)                                                     \
+  print_config<fused_attn_cuda::KIND>(NAME, #T, D,                                          \
+      fused_attn_cuda::Config<fused_attn_cuda::KIND, T, D>::block_m,                        \
+      fused_attn_cuda::Config<fused_attn_cuda::KIND, T, D>::block_n,                        \
+      fused_attn_cuda::Config<fused_attn_cuda::KIND, T, D>::shared_bytes);
+#define FA_PRINT(T, D)                                       \
+  FA_PRINT_ONE(kForwardKernel, "forward", T, D)              \
+  FA_PRINT_ONE(kBackwardKVKernel, "backward_dkdv", T, D)     \
+  FA_PRINT_ONE(kBackwardQKernel, "backward_dq", T, D)
+
+int main() {
+  FUSED_ATTN_CUDA_FOR_EACH_INSTANCE(FA_PRINT)
+  for (const char* dtype : {"__half", "__nv_bfloat16", "float"})  // one row (a warp) per warp
+    std::printf("{\"kernel\": \"backward_delta\", \"dtype\": \"%s\", \"head_dim\": null, "
+                "\"block_m\": %d, \"block_n\": 0, \"threads\": %d, \"dynamic_shared_bytes\": 0}\n",
+                dtype, fused_attn_cuda::kWarps, fused_attn_cuda::kThreads);
+  std::printf("{\"max_shared_bytes\": %d}\n", fused_attn_cuda::kMaxSharedBytes);
+  return 0;
+}
+"""
+
+
+class ToolMissing(FileNotFoundError):
+    """nvcc (or cuobjdump) is not installed here; the message says which."""
+
+
+def find_nvcc() -> str:
+    candidates = [shutil.which("nvcc")]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(str(Path(home) / "bin" / "nvcc"))
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise ToolMissing("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+
+
+def find_cuobjdump(nvcc: str) -> str:
+    """cuobjdump next to nvcc, on PATH, or the one shipped in the Triton wheel."""
+    candidates = [str(Path(nvcc).resolve().parent / "cuobjdump"), shutil.which("cuobjdump")]
+    try:
+        import triton
+        candidates.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"))
+    except ImportError:
+        pass
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return candidate
+    raise ToolMissing("cuobjdump not found (next to nvcc, on PATH, or in the triton wheel)")
+
+
+def _parse_mangled(name: str) -> tuple[str, str, int | None] | None:
+    """('forward', '__half', 64) style identity of a kernel from its mangled name."""
+    match = re.search(r"fused_attn_cuda\d+flash_(\w+?)_kernelI(6__half|13__nv_bfloat16|f)(?:Li(\d+)E)?E", name)
+    if match is None:
+        return None
+    kernel, dtype, head = match.groups()
+    return kernel, MANGLED_DTYPES[dtype], int(head) if head else None
+
+
+def parse_ptxas(log: str) -> dict:
+    """{mangled name: {registers, stack_bytes, spill_bytes, static_shared_bytes}} from ptxas -v."""
+    functions, current = {}, None
+    for line in log.splitlines():
+        match = re.search(r"Compiling entry function '([^']+)'", line)
+        if match:
+            current = functions.setdefault(match.group(1), {"registers": 0, "stack_bytes": 0,
+                                                             "spill_bytes": 0, "static_shared_bytes": 0})
+            continue
+        match = re.search(r"Function properties for (\S+)", line)
+        if match:
+            current = functions.setdefault(match.group(1), {"registers": 0, "stack_bytes": 0,
+                                                             "spill_bytes": 0, "static_shared_bytes": 0})
+            continue
+        if current is None:
+            continue
+        match = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if match:
+            current["stack_bytes"] = int(match.group(1))
+            current["spill_bytes"] = int(match.group(2)) + int(match.group(3))
+        match = re.search(r"Used (\d+) registers", line)
+        if match:
+            current["registers"] = int(match.group(1))
+            shared = re.search(r"(\d+) bytes smem", line)
+            current["static_shared_bytes"] = int(shared.group(1)) if shared else 0
+    return functions
+
+
+def parse_sass(sass: str) -> dict:
+    """{mangled name: {tensor-core mnemonic: count}} from cuobjdump --dump-sass."""
+    counts, current = {}, None
+    for line in sass.splitlines():
+        match = re.match(r"\s*Function : (\S+)", line)
+        if match:
+            current = counts.setdefault(match.group(1), {})
+            continue
+        match = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if match and current is not None and match.group(1).startswith(TENSOR_CORE_PREFIXES):
+            current[match.group(1)] = current.get(match.group(1), 0) + 1
+    return counts
+
+
+def _run(command, cwd, timeout):
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-6000:]}")
+    return done
+
+
+def _row(target, identity, config, resources, tensor_cores) -> dict:
+    kernel, dtype, head_dim = identity
+    dynamic = config["dynamic_shared_bytes"]
+    row = {
+        "backend": "cuda",
+        "kernel": kernel,
+        "target": target,
+        "dtype": DTYPE_NAMES[dtype],
+        "head_dim": head_dim,
+        "causal": None,
+        "config": (f"BLOCK_M={config['block_m']},BLOCK_N={config['block_n']},threads={config['threads']}"
+                   if config["block_n"] else f"rows={config['block_m']},threads={config['threads']}"),
+        "registers": resources["registers"],
+        "spill_bytes": resources["spill_bytes"],
+        "stack_bytes": resources["stack_bytes"],
+        "shared_bytes": resources["static_shared_bytes"] + dynamic,
+        "tensor_core_instructions": tensor_cores,
+    }
+    problems = []
+    if row["spill_bytes"]:
+        problems.append(f"spills {row['spill_bytes']} bytes to local memory")
+    if row["stack_bytes"]:
+        problems.append(f"uses a {row['stack_bytes']}-byte stack frame")
+    if row["registers"] > MAX_REGISTERS:
+        problems.append(f"{row['registers']} registers > {MAX_REGISTERS}")
+    if row["shared_bytes"] > SHARED_MEMORY_LIMIT[target]:
+        problems.append(f"{row['shared_bytes']} bytes of shared memory > {SHARED_MEMORY_LIMIT[target]} on {target}")
+    uses_tensor_cores = sum(tensor_cores.values()) > 0
+    if kernel in MATMUL_KERNELS and dtype != "float" and not uses_tensor_cores:
+        problems.append("no tensor-core instruction in an fp16/bf16 tile-product kernel")
+    if (kernel not in MATMUL_KERNELS or dtype == "float") and uses_tensor_cores:
+        problems.append("tensor-core instructions where CUDA cores were meant (fp32 or no products)")
+    row["fits"] = not problems
+    row["problems"] = problems
+    return row
+
+
+def report(targets=TARGETS, timeout=1800, workdir: str | None = None) -> list[dict]:
+    """One dict per (kernel instance, target): resources, instructions, verdict.
+
+    Keys: backend, kernel, target, dtype, head_dim, causal, config, registers, spill_bytes,
+    stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
+    Raises ToolMissing when nvcc (or cuobjdump) is not installed.
+    """
+    nvcc = find_nvcc()
+    cuobjdump = find_cuobjdump(nvcc)
+    with tempfile.TemporaryDirectory(prefix="fused_attn_cuda_report_", dir=workdir) as tmp:
+        source = Path(tmp) / "flash_instances.cu"
+        source.write_text(INSTANCES_SOURCE)
+        rows, configs = [], None
+        for target in targets:
+            binary = Path(tmp) / f"flash_instances_{target}"
+            compiled = _run([nvcc, "-std=c++17", "-O3", f"-arch={target}", "-Xptxas", "-v",
+                             "--resource-usage", "-I", str(KERNEL_DIR), "-o", str(binary), str(source)],
+                            tmp, timeout)
+            if configs is None:  # the configuration is host-side and the same for every target
+                lines = _run([str(binary)], tmp, timeout).stdout.splitlines()
+                configs = {(c["kernel"], c["dtype"], c["head_dim"]): c
+                           for c in map(json.loads, lines) if "kernel" in c}
+            resources = parse_ptxas(compiled.stdout + compiled.stderr)
+            sass = parse_sass(_run([cuobjdump, "--dump-sass", str(binary)], tmp, timeout).stdout)
+            for name, usage in sorted(resources.items()):
+                identity = _parse_mangled(name)
+                if identity is None:
+                    continue
+                rows.append(_row(target, identity, configs[identity], usage, sass.get(name, {})))
+        order = {name: i for i, name in enumerate(("forward", "backward_delta", "backward_dkdv", "backward_dq"))}
+        return sorted(rows, key=lambda r: (r["target"], order.get(r["kernel"], 9), r["dtype"], r["head_dim"] or 0))
+
+
+def compile_glue(target: str = "sm_80", timeout=1800) -> str:
+    """Compiles csrc/cuda/flash_cuda.cu (torch glue + every instance) to an object file.
+
+    A CPU build of torch ships the c10/cuda headers but not the configure-generated
+    c10/cuda/impl/cuda_cmake_macros.h; an empty stand-in is supplied for it here (it only
+    defines export macros for building torch itself). Returns ptxas's log; raises on failure.
+    """
+    import torch.utils.cpp_extension as cpp_extension
+
+    nvcc = find_nvcc()
+    with tempfile.TemporaryDirectory(prefix="fused_attn_cuda_glue_") as tmp:
+        stub = Path(tmp) / "stub" / "c10" / "cuda" / "impl"
+        stub.mkdir(parents=True)
+        generated = Path(cpp_extension.include_paths()[0]) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        if not generated.is_file():
+            (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+        includes = [f"-I{Path(tmp) / 'stub'}"] + [f"-I{path}" for path in cpp_extension.include_paths()]
+        command = [nvcc, "-std=c++17", "-O3", f"-arch={target}", "-Xptxas", "-v", "-c",
+                   str(KERNEL_DIR / "flash_cuda.cu"), "-o", str(Path(tmp) / "flash_cuda.o"),
+                   "-diag-suppress", "3306", "-DTORCH_EXTENSION_NAME=_C", *includes]
+        done = _run(command, tmp, timeout)
+        return done.stdout + done.stderr
+
+
+def _table(rows) -> str:
+    header = (f"{'kernel':<14} {'target':<6} {'dtype':<9} {'D':>4} {'config':<32} {'regs':>4} "
+              f"{'spill':>5} {'smem':>7} {'tensor-core instr.':<28} verdict")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        tc = ", ".join(f"{k}:{v}" for k, v in sorted(r["tensor_core_instructions"].items())) or "-"
+        lines.append(f"{r['kernel']:<14} {r['target']:<6} {r['dtype']:<9} {r['head_dim'] or '-':>4} "
+                     f"{r['config']:<32} {r['registers']:>4} {r['spill_bytes']:>5} {r['shared_bytes']:>7} "
+                     f"{tc:<28} {'fits' if r['fits'] else '; '.join(r['problems'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cuda_report", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        rows = report(tuple(args.targets))
+    except ToolMissing as missing:
+        print(f"cuda report skipped: {missing}", file=sys.stderr)
+        return 0
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(_table(rows))
+        print(f"{len(rows)} kernel instances, {sum(not r['fits'] for r in rows)} with problems, "
+              f"compiled in {time.perf_counter() - start:.0f} s")
+    return 0 if all(r["fits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

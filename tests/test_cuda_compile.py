@@ -1,0 +1,137 @@
+"""The `cuda` backend's kernels compiled by nvcc for sm_80 and sm_90, judged by ptxas's own report.
+
+Every shipped template instance: no spills, registers within what __launch_bounds__ allows, shared
+memory within the target's limit (and within 99 KB, so sm_86/sm_89 run them too), tensor-core
+instructions in the fp16/bf16 tile products and none in the fp32 ones. Skips only where nvcc is
+absent. The compilation runs once per test session (about 30 s here for both targets).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from bench import cuda_report
+
+HEADER = cuda_report.KERNEL_DIR / "flash_kernels.cuh"
+
+
+def shipped_instances() -> set[tuple[str, int]]:
+    """(dtype, head dim) pairs listed by FUSED_ATTN_CUDA_FOR_EACH_INSTANCE, read from the header."""
+    text = HEADER.read_text()
+    start = text.index("#define FUSED_ATTN_CUDA_FOR_EACH_INSTANCE(X)")
+    body = text[start:text.index("\n\n", start)]
+    return {(cuda_report.DTYPE_NAMES[t], int(d)) for t, d in re.findall(r"X\((\w+), (\d+)\)", body)}
+
+
+@pytest.fixture(scope="session")
+def report_rows(request):
+    try:
+        cuda_report.find_nvcc()
+    except cuda_report.ToolMissing as missing:
+        pytest.skip(f"nvcc is not installed: {missing}")
+    start = time.perf_counter()
+    rows = cuda_report.report()
+    print(f"\ncuda report: {len(rows)} kernel instances compiled in {time.perf_counter() - start:.1f} s")
+    return rows
+
+
+def _offenders(rows, predicate):
+    return [f"{r['kernel']}[{r['dtype']}, D={r['head_dim']}] on {r['target']}: {r}" for r in rows
+            if predicate(r)]
+
+
+def test_every_shipped_instance_is_compiled_for_every_target(report_rows):
+    instances = shipped_instances()
+    assert len(instances) == 12
+    for target in cuda_report.TARGETS:
+        rows = [r for r in report_rows if r["target"] == target]
+        for kernel in cuda_report.MATMUL_KERNELS:
+            compiled = {(r["dtype"], r["head_dim"]) for r in rows if r["kernel"] == kernel}
+            assert compiled == instances, (target, kernel)
+        delta = {r["dtype"] for r in rows if r["kernel"] == "backward_delta"}
+        assert delta == {"float16", "bfloat16", "float32"}, target
+
+
+def test_no_spills_and_no_stack(report_rows):
+    assert not _offenders(report_rows, lambda r: r["spill_bytes"] or r["stack_bytes"])
+
+
+def test_registers_within_launch_bounds(report_rows):
+    # __launch_bounds__(128, 1): 128 threads, so up to 255 registers a thread.
+    assert all(r["registers"] > 0 for r in report_rows)
+    assert not _offenders(report_rows, lambda r: r["registers"] > cuda_report.MAX_REGISTERS)
+
+
+def test_shared_memory_within_target_limits(report_rows):
+    assert not _offenders(report_rows,
+                          lambda r: r["shared_bytes"] > cuda_report.SHARED_MEMORY_LIMIT[r["target"]])
+    # Also within the 99 KB of sm_86/sm_89, the other default target architectures.
+    assert not _offenders(report_rows, lambda r: r["shared_bytes"] > 99 * 1024)
+
+
+def test_tensor_cores_for_half_precision_only(report_rows):
+    def wrong(r):
+        count = sum(r["tensor_core_instructions"].values())
+        if r["kernel"] in cuda_report.MATMUL_KERNELS and r["dtype"] != "float32":
+            return count == 0 or not all(m.startswith("HMMA") for m in r["tensor_core_instructions"])
+        return count != 0
+
+    assert not _offenders(report_rows, wrong)
+    bf16 = [r for r in report_rows if r["dtype"] == "bfloat16" and r["kernel"] == "forward"]
+    assert all(any(".BF16" in m for m in r["tensor_core_instructions"]) for r in bf16)
+
+
+def test_report_rows_have_the_documented_keys(report_rows):
+    keys = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "config", "registers",
+            "spill_bytes", "stack_bytes", "shared_bytes", "tensor_core_instructions", "fits", "problems"}
+    for row in report_rows:
+        assert set(row) == keys
+        assert row["backend"] == "cuda" and row["causal"] is None
+        assert row["fits"] == (not row["problems"])
+    assert all(row["fits"] for row in report_rows), [r["problems"] for r in report_rows if r["problems"]]
+
+
+@pytest.mark.slow
+def test_torch_glue_compiles():
+    """flash_cuda.cu (TORCH_LIBRARY_IMPL, launches) against this torch's headers, for sm_80."""
+    try:
+        cuda_report.find_nvcc()
+    except cuda_report.ToolMissing as missing:
+        pytest.skip(f"nvcc is not installed: {missing}")
+    log = cuda_report.compile_glue("sm_80")
+    assert "Compiling entry function" in log
+    assert not re.search(r"[1-9]\d* bytes spill", log)
+
+
+# ---- the parsers, on fixed text (no nvcc needed) ---------------------------------------------------
+
+PTXAS_SAMPLE = """\
+ptxas info    : Compiling entry function '_ZN15fused_attn_cuda20flash_forward_kernelI6__halfLi64EEEvNS_13ForwardParamsE' for 'sm_80'
+ptxas info    : Function properties for _ZN15fused_attn_cuda20flash_forward_kernelI6__halfLi64EEEvNS_13ForwardParamsE
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 74 registers, used 1 barriers, 1024 bytes smem, 784 bytes cmem[0]
+"""
+
+SASS_SAMPLE = """\
+	code for sm_80
+		Function : _ZN15fused_attn_cuda20flash_forward_kernelI6__halfLi64EEEvNS_13ForwardParamsE
+        /*0100*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0110*/               @P0 HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0120*/                   FFMA R1, R2, R3, R1 ;
+"""
+
+
+def test_parsers_read_ptxas_and_sass():
+    usage = cuda_report.parse_ptxas(PTXAS_SAMPLE)
+    name = next(iter(usage))
+    assert usage[name] == {"registers": 74, "stack_bytes": 8, "spill_bytes": 16, "static_shared_bytes": 1024}
+    assert cuda_report.parse_sass(SASS_SAMPLE)[name] == {"HMMA.16816.F32": 2}
+    assert cuda_report._parse_mangled(name) == ("forward", "__half", 64)
+    row = cuda_report._row("sm_80", ("forward", "__half", 64),
+                           {"block_m": 64, "block_n": 64, "threads": 128, "dynamic_shared_bytes": 70000},
+                           usage[name], {})
+    assert not row["fits"] and row["shared_bytes"] == 71024
+    assert any("spills" in p for p in row["problems"]) and any("tensor-core" in p for p in row["problems"])
