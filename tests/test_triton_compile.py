@@ -1,0 +1,89 @@
+"""Static GPU check of the `triton` backend, without a GPU.
+
+Every kernel is compiled at its default configs for sm_80 and sm_90 by Triton's own compiler (fp16 and
+bf16, head dims 64 and 128, causal and not; see bench/triton_report.py), and its cubin is read back
+with cuobjdump: it compiles, nothing spills (no local loads/stores in the SASS, no stack), the matrix
+products run on tensor cores (HMMA on sm_80, HGMMA on sm_90), and shared memory fits the device
+(163 KB on sm_80, 227 KB on sm_90). The whole report takes about a minute on this 2-core machine
+(56 compilations in one child process), so it is computed once per session.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from bench import triton_report  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+pytestmark = pytest.mark.skipif(not CUOBJDUMP.exists() and shutil.which("cuobjdump") is None,
+                                reason="cuobjdump (shipped with Triton's NVIDIA backend) is missing")
+
+COMBINATIONS = [
+    (kernel, target, dtype, head_dim, causal)
+    for kernel, target, dtype, head_dim in itertools.product(
+        triton_report.KERNELS, triton_report.TARGETS, triton_report.DTYPES, triton_report.HEAD_DIMS)
+    for causal in ((False,) if kernel == "bwd_preprocess" else (False, True))
+]
+KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "config", "registers", "spill_bytes",
+        "stack_bytes", "shared_bytes", "tensor_core_instructions", "fits", "problems"}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    found = {}
+    for row in triton_report.report():
+        found[(row["kernel"], row["target"], row["dtype"], row["head_dim"], row["causal"])] = row
+    return found
+
+
+def test_report_covers_every_kernel_and_config(rows):
+    assert sorted(rows, key=str) == sorted(COMBINATIONS, key=str)
+    for row in rows.values():
+        assert KEYS <= set(row), KEYS - set(row)
+        assert row["backend"] == "triton"
+
+
+@pytest.mark.parametrize("kernel, target, dtype, head_dim, causal", COMBINATIONS,
+                         ids=["-".join(map(str, c)) for c in COMBINATIONS])
+def test_default_config_compiles_within_the_device(rows, kernel, target, dtype, head_dim, causal):
+    row = rows[(kernel, target, dtype, head_dim, causal)]
+    assert row["problems"] == [] and row["fits"], row["problems"]
+    assert row["registers"] > 0  # a real function was read from the cubin
+    assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0
+    assert 0 < row["shared_bytes"] <= triton_report.SHARED_MEMORY_LIMIT[target]
+    mnemonics = {name.split(".")[0] for name in row["tensor_core_instructions"]}
+    if kernel in triton_report.MATMUL_KERNELS:
+        assert triton_report.TENSOR_CORE_PREFIX[target] in mnemonics, row["tensor_core_instructions"]
+    else:
+        assert not mnemonics  # the preprocess is a reduction: no products
+
+
+def test_inspection_flags_spills_and_missing_tensor_cores(tmp_path, monkeypatch):
+    """The verdict is derived from the SASS and resource usage, so it can fail: feed it a cubin
+    description with local memory traffic and no HMMA."""
+    usage = " Function k:\n  REG:40 STACK:16 SHARED:0 LOCAL:8 CONSTANT[0]:400\n"
+    sass = ("        /*0000*/                   LDL.64 R2, [R1] ;\n"
+            "        /*0010*/                   FFMA R3, R2, R2, R3 ;\n"
+            "        /*0020*/                   STL [R1], R3 ;\n")
+
+    class Done:
+        def __init__(self, stdout):
+            self.stdout = stdout
+
+    def fake_run(command, **kwargs):
+        return Done(usage if "--dump-resource-usage" in command else sass)
+
+    monkeypatch.setattr(triton_report.subprocess, "run", fake_run)
+    row = triton_report._inspect(tmp_path / "k.cubin", {"shared": 200 * 1024}, "sm_80", True)
+    assert row["spill_bytes"] == 8 and row["stack_bytes"] == 16 and row["registers"] == 40
+    text = " | ".join(row["problems"])
+    assert "register spills: 2 local loads/stores" in text
+    assert "stack frame of 16 bytes" in text
+    assert "no HMMA instructions" in text
+    assert "shared memory" in text
