@@ -72,6 +72,8 @@ CASES = [
          mask=("bool", "1_h_1_k"), grad_lse=True),
     Case("hidden_rows", len_q=30, len_k=26, dim_qk=20, dim_v=20, mask=("bool", "full"), padding=True,
          hidden_rows=True),
+    Case("hidden_rows_additive", heads_q=4, heads_kv=1, len_q=19, len_k=70, dim_qk=8, dim_v=8,
+         mask=("additive", "b_1_q_k"), padding=True, hidden_rows=True, causal=True),
 ]
 LARGE_HEAD_CASES = [
     Case("head_128", batch=1, heads_q=2, heads_kv=1, len_q=24, len_k=33, dim_qk=100, dim_v=72,
