@@ -313,3 +313,44 @@ def test_cuda_backward_is_deterministic(dtype, generator):
     first, second = run_on_gpu(inputs, case, 0.2), run_on_gpu(inputs, case, 0.2)
     for name in ("grad_query", "grad_key", "grad_value"):
         assert torch.equal(getattr(first, name), getattr(second, name)), name
+
+
+# ---- the emulation itself -------------------------------------------------------------------------
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("a_col", [False, True])
+@pytest.mark.parametrize("b_col", [False, True])
+def test_emulated_wmma_follows_the_fragment_layouts(emulated, a_col, b_col, generator):
+    a = torch.randn(16, 16, generator=generator).half()
+    b = torch.randn(16, 16, generator=generator).half()
+    a_storage = a.t().contiguous() if a_col else a  # column-major: element (i, k) at k * 16 + i
+    b_storage = b.t().contiguous() if b_col else b
+    product = emulated.wmma_product(a_storage, b_storage, a_col, b_col)
+    torch.testing.assert_close(product.double(), a.double() @ b.double(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("lane_mask, width", [(1, 32), (16, 32), (5, 32), (4, 4)])
+def test_emulated_shuffle_xor(emulated, lane_mask, width):
+    values = torch.arange(64, dtype=torch.float32) * 3 + 1
+    lanes = torch.arange(64)
+    source = lanes ^ lane_mask
+    source = torch.where(source // width == lanes // width, source, lanes)
+    assert torch.equal(emulated.shuffle_xor(values, lane_mask, width), values[source])
+
+
+@pytest.mark.emulated_cuda
+def test_emulation_rejects_misaligned_fragments(emulated):
+    with pytest.raises(RuntimeError, match="256-bit aligned"):
+        emulated.misaligned_wmma()
+
+
+@pytest.mark.emulated_cuda
+def test_emulation_reports_a_divergent_barrier(emulated):
+    with pytest.raises(RuntimeError, match="deadlock"):
+        emulated.divergent_barrier(300)
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_shared_memory_starts_as_nan(emulated):
+    assert torch.isnan(emulated.unwritten_shared()).all()

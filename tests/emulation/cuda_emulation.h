@@ -63,7 +63,8 @@ struct Dim3 {
 
 // The largest dynamic shared memory of a block on any target (sm_90: 227 KB).
 constexpr std::size_t kMaxSharedBytes = 227 * 1024;
-constexpr auto kBarrierTimeout = std::chrono::seconds(120);
+// How long a barrier waits for the rest of its threads before it reports a deadlock.
+inline std::chrono::milliseconds barrier_timeout{120000};
 
 inline void require(bool condition, const std::string& message) {
   if (!condition) throw std::runtime_error("CUDA emulation: " + message);
@@ -84,7 +85,7 @@ class Barrier {
       complete_phase();
       return;
     }
-    const auto deadline = std::chrono::steady_clock::now() + kBarrierTimeout;
+    const auto deadline = std::chrono::steady_clock::now() + barrier_timeout;
     while (generation_ == generation) {
       if (poisoned_) throw Aborted{};
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == generation &&

@@ -53,6 +53,109 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
                                          scale, out, lse, grad_out, grad_lse, EmulatedLaunch{});
 }
 
+// ---- probes of the emulation itself: the CUDA semantics the kernels rely on ---------------------
+
+struct ProbeArgs {
+  const void* a;
+  const void* b;
+  float* out;
+  int lane_mask, width;
+};
+
+// One warp: C = A B through WMMA fragments, operands staged in shared memory as the kernels do.
+template <bool A_COL, bool B_COL>
+__global__ void wmma_probe(const ProbeArgs args) {
+  namespace wmma = nvcuda::wmma;
+  auto* tiles = reinterpret_cast<__half*>(dynamic_shared_memory());
+  auto* result = reinterpret_cast<float*>(tiles + 512);
+  for (int e = threadIdx.x; e < 256; e += 32) {
+    tiles[e] = static_cast<const __half*>(args.a)[e];
+    tiles[256 + e] = static_cast<const __half*>(args.b)[e];
+  }
+  __syncwarp();
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __half,
+                 std::conditional_t<A_COL, wmma::col_major, wmma::row_major>> a;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, __half,
+                 std::conditional_t<B_COL, wmma::col_major, wmma::row_major>> b;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+  wmma::fill_fragment(c, 0.0f);
+  wmma::load_matrix_sync(a, tiles, 16);
+  wmma::load_matrix_sync(b, tiles + 256, 16);
+  wmma::mma_sync(c, a, b, c);
+  wmma::store_matrix_sync(result, c, 16, wmma::mem_row_major);
+  __syncwarp();
+  for (int e = threadIdx.x; e < 256; e += 32) args.out[e] = result[e];
+}
+
+__global__ void misaligned_wmma_probe(const ProbeArgs) {
+  namespace wmma = nvcuda::wmma;
+  auto* tiles = reinterpret_cast<__half*>(dynamic_shared_memory());
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+  wmma::load_matrix_sync(a, tiles + 8, 16);  // 16 bytes off a 256-bit boundary
+}
+
+__global__ void shuffle_probe(const ProbeArgs args) {
+  args.out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<const float*>(args.a)[threadIdx.x],
+                                          args.lane_mask, args.width);
+}
+
+// Half of each warp shuffles while the other half waits at __syncthreads: a deadlock on a GPU.
+__global__ void divergent_probe(const ProbeArgs) {
+  if (threadIdx.x % 32 < 16) {
+    (void)__shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  } else {
+    __syncthreads();
+  }
+}
+
+__global__ void unwritten_shared_probe(const ProbeArgs args) {
+  args.out[threadIdx.x] = reinterpret_cast<const float*>(dynamic_shared_memory())[threadIdx.x];
+}
+
+at::Tensor run_probe(void (*kernel)(ProbeArgs), unsigned threads, ProbeArgs args, at::Tensor out) {
+  args.out = out.data_ptr<float>();
+  pybind11::gil_scoped_release release;
+  cuda_emulation::launch(kernel, {1, 1, 1}, {threads, 1, 1}, 4096, args);
+  return out;
+}
+
+at::Tensor wmma_product(const at::Tensor& a, const at::Tensor& b, bool a_col, bool b_col) {
+  TORCH_CHECK(a.scalar_type() == at::kHalf && b.scalar_type() == at::kHalf && a.numel() == 256 &&
+              b.numel() == 256 && a.is_contiguous() && b.is_contiguous(),
+              "wmma_product: two contiguous 16x16 float16 tensors");
+  void (*kernel)(ProbeArgs) = a_col ? (b_col ? &wmma_probe<true, true> : &wmma_probe<true, false>)
+                                    : (b_col ? &wmma_probe<false, true> : &wmma_probe<false, false>);
+  return run_probe(kernel, 32, ProbeArgs{a.data_ptr(), b.data_ptr(), nullptr, 0, 32},
+                   at::empty({16, 16}, a.options().dtype(at::kFloat)));
+}
+
+at::Tensor shuffle_xor(const at::Tensor& values, int64_t lane_mask, int64_t width) {
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && values.numel() == 64,
+              "shuffle_xor: 64 contiguous float32 values, one per thread of two warps");
+  return run_probe(&shuffle_probe, 64,
+                   ProbeArgs{values.data_ptr(), nullptr, nullptr, static_cast<int>(lane_mask),
+                             static_cast<int>(width)},
+                   at::empty_like(values));
+}
+
+void misaligned_wmma() {
+  run_probe(&misaligned_wmma_probe, 32, ProbeArgs{}, at::empty({1}));
+}
+
+void divergent_barrier(int64_t timeout_ms) {
+  const auto saved = cuda_emulation::barrier_timeout;
+  cuda_emulation::barrier_timeout = std::chrono::milliseconds(timeout_ms);
+  try {
+    run_probe(&divergent_probe, 64, ProbeArgs{}, at::empty({1}));
+  } catch (...) {
+    cuda_emulation::barrier_timeout = saved;
+    throw;
+  }
+  cuda_emulation::barrier_timeout = saved;
+}
+
+at::Tensor unwritten_shared() { return run_probe(&unwritten_shared_probe, 32, ProbeArgs{}, at::empty({32})); }
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -61,4 +164,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "is_causal, scale, out) -> lse");
   m.def("backward", &backward, "flash_backward(query, key, value, attn_mask, key_padding_mask, "
         "is_causal, scale, out, lse, grad_out, grad_lse) -> (dq, dk, dv)");
+  m.def("wmma_product", &wmma_product, "probe: A B of two 16x16 fp16 tiles through WMMA fragments");
+  m.def("shuffle_xor", &shuffle_xor, "probe: __shfl_xor_sync over two warps");
+  m.def("misaligned_wmma", &misaligned_wmma, "probe: a WMMA load off a 256-bit boundary (raises)");
+  m.def("divergent_barrier", &divergent_barrier, "probe: a deadlocking divergent barrier (raises)");
+  m.def("unwritten_shared", &unwritten_shared, "probe: what unwritten shared memory reads as");
 }
