@@ -279,6 +279,23 @@ def test_backend_says_why_it_is_unavailable():
         fused_attn.attention(q, q, q, backend="cuda")
 
 
+def test_backend_refusals_name_each_reason():
+    from fused_attn.problem import Problem
+
+    q = torch.empty(2, 4, 8, 300, dtype=torch.float64)
+    v = torch.empty(2, 2, 8, 16, dtype=torch.float64)
+    mask = torch.empty(8, 8, requires_grad=True)
+    problem = Problem.of(q, v, v, mask, None, False, 0.1)
+    reasons = " | ".join(registry.get("cuda").refusals(problem))
+    for expected in ("CUDA tensors only", "dtype torch.float64", "head dims up to 256", "dropout",
+                     "attn_mask"):
+        assert expected in reasons
+    fine = Problem.of(torch.empty(1, 2, 8, 64, dtype=torch.float16),
+                      torch.empty(1, 1, 8, 64, dtype=torch.float16),
+                      torch.empty(1, 1, 8, 64, dtype=torch.float16), None, None, True, 0.0)
+    assert registry.get("cuda").refusals(fine) == ["runs on CUDA tensors only, got device cpu"]
+
+
 # ---- on a CUDA device -----------------------------------------------------------------------------
 
 def run_on_gpu(inputs, case: Case, scale):
