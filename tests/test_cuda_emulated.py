@@ -208,6 +208,16 @@ def test_emulated_large_head_dims(emulated, case, dtype, generator):
 
 
 @pytest.mark.emulated_cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_emulated_many_tiles(emulated, dtype, generator):
+    case = Case("many_tiles", batch=1, heads_q=2, heads_kv=1, len_q=200, len_k=170, dim_qk=64,
+                dim_v=64, causal=True, mask=("bool", "q_k"), padding=True, grad_lse=True)
+    inputs = make_inputs(case, dtype, 3, generator)
+    check(run_emulated(emulated, inputs, case, 0.125), inputs, case, dtype, 0.125)
+
+
+@pytest.mark.emulated_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_emulated_backward_is_deterministic(emulated, dtype, generator):
     case = Case("gqa_causal", heads_q=4, heads_kv=1, len_q=70, len_k=70, dim_qk=32, dim_v=32,
