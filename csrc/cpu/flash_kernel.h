@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -204,18 +205,56 @@ void pack_a(ct* dst, int64_t ldk, const st* src, int64_t sm, int64_t sk, int64_t
   }
 }
 
+// dst[c][r] (leading dimension ld_dst) = src[r*ld_src + c] for r < rows, c < cols, on 32-bit
+// elements (float, or pairs of bf16/fp16 moved as one unit): 16×16 register transposes of
+// at::vec::transpose_mxn where the instruction set has them, element by element at the edges.
+inline void transpose_32bit(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows,
+                            int64_t cols) {
+  constexpr int64_t T = 16;
+  const int64_t full_rows = rows / T * T, full_cols = cols / T * T;
+  for (int64_t r = 0; r < full_rows; r += T) {
+    for (int64_t c = 0; c < full_cols; c += T) {
+      at::vec::transpose_mxn<float, T, T>(src + r * ld_src + c, ld_src, dst + c * ld_dst + r, ld_dst);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t c_begin = r < full_rows ? full_cols : 0;
+    for (int64_t c = c_begin; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+}
+
 // B operand, logically B[k][n] = src[k*sk + n*sn] for k < K (rows K..Kpad are zero), n < N.
 // Plain: dst[k*N + n]. VNNI: dst[((k/2)*N + n)*2 + k%2].
 template <typename ct, typename st>
 void pack_b(ct* dst, const st* src, int64_t sk, int64_t sn, int64_t K, int64_t Kpad, int64_t N) {
   if constexpr (kVnni<ct>) {
-    for (int64_t n = 0; n < N; ++n) {
-      const st* column = src + n * sn;
-      for (int64_t k = 0; k < Kpad; ++k) {
-        dst[((k >> 1) * N + n) * 2 + (k & 1)] =
-            k < K ? static_cast<ct>(static_cast<float>(column[k * sk])) : ct(0);
+    static_assert(std::is_same_v<ct, st>, "VNNI operands keep the input type");
+    if (sk == 1 && K % 2 == 0 && sn % 2 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0) {
+      // K pairs are adjacent in memory: the VNNI layout is a transpose of 32-bit pairs.
+      transpose_32bit(reinterpret_cast<float*>(dst), N, reinterpret_cast<const float*>(src), sn / 2, N, K / 2);
+    } else {
+      for (int64_t k = 0; k < K; k += 2) {  // rows k and k+1 interleaved, read along n
+        const st* row0 = src + k * sk;
+        const st* row1 = row0 + sk;
+        ct* out = dst + (k >> 1) * N * 2;
+        if (k + 1 < K) {
+          for (int64_t n = 0; n < N; ++n) {
+            out[2 * n] = row0[n * sn];
+            out[2 * n + 1] = row1[n * sn];
+          }
+        } else {
+          for (int64_t n = 0; n < N; ++n) {
+            out[2 * n] = row0[n * sn];
+            out[2 * n + 1] = ct(0);
+          }
+        }
       }
     }
+    if (Kpad > round_up(K, 2)) std::fill(dst + round_up(K, 2) * N, dst + Kpad * N, ct(0));
+  } else if (std::is_same_v<ct, float> && std::is_same_v<st, float> && sk == 1 && sn != 1) {
+    // Kᵀ of contiguous key rows: a blocked transpose.
+    transpose_32bit(reinterpret_cast<float*>(dst), N, reinterpret_cast<const float*>(src), sn, N, K);
+    std::fill(dst + K * N, dst + Kpad * N, ct(0));
   } else if (std::abs(sn) <= std::abs(sk)) {  // rows of B are contiguous enough: copy by rows
     for (int64_t k = 0; k < K; ++k) copy_row(dst + k * N, src + k * sk, sn, N);
     std::fill(dst + K * N, dst + Kpad * N, ct(0));
@@ -242,6 +281,19 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
     for (auto& lane : lanes) lane = std::exp(lane);
     return Vectorized<T>::loadu(lanes);
   }
+}
+
+// Largest of s[0..n).
+template <typename acc_t>
+acc_t row_max_of(const acc_t* s, int64_t n) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  V vmax(neg_inf<acc_t>());
+  int64_t j = 0;
+  for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, V::loadu(s + j));
+  acc_t mx = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, vmax);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
 }
 
 // Scaled, masked scores of one row: s[j] = s[j]*scale (+ bias, or -inf where hidden), j < n.
@@ -275,35 +327,36 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
       if (row[i * step]) s[i] = neg_inf<acc_t>();
     }
   }
-  V vmax(neg_inf<acc_t>());
-  j = 0;
-  for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, V::loadu(s + j));
-  acc_t mx = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, vmax);
-  for (; j < n; ++j) mx = std::max(mx, s[j]);
-  return mx;
+  return row_max_of(s, n);
 }
 
-// s[j] = exp(s[j] - shift) for j < n; returns their sum. exp(-inf) is 0, so hidden keys vanish.
-template <typename acc_t>
-acc_t exp_row(acc_t* s, int64_t n, acc_t shift) {
+// out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
+// their sum. Hidden keys (-inf) give 0: the argument is clamped to the lowest finite value first,
+// where the polynomial exp returns 0.
+template <typename acc_t, typename ct>
+acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
-  const V vshift(shift);
+  const V vscale(scale), vshift(-shift);
   const V lowest(std::numeric_limits<acc_t>::lowest());
   V vsum(acc_t(0));
   int64_t j = 0;
-  // Clamping at `lowest` keeps -inf - shift finite for the polynomial exp, whose result is then 0.
   for (; j + W <= n; j += W) {
-    const V e = vexp(at::vec::maximum(V::loadu(s + j) - vshift, lowest));
-    e.store(s + j);
+    const V e = vexp(at::vec::maximum(at::vec::fmadd(V::loadu(s + j), vscale, vshift), lowest));
     vsum = vsum + e;
+    if constexpr (std::is_same_v<ct, acc_t>) {
+      e.store(out + j);
+    } else {
+      e.store(s + j);
+    }
   }
   if (j < n) {
-    const V e = vexp(at::vec::maximum(V::loadu(s + j, n - j) - vshift, lowest));
+    const V e = vexp(at::vec::maximum(at::vec::fmadd(V::loadu(s + j, n - j), vscale, vshift), lowest));
     e.store(s + j, n - j);
-    const V mask_tail = V::loadu(s + j, n - j);  // loadu with a count zero-fills the lanes past n
-    vsum = vsum + mask_tail;
+    vsum = vsum + V::loadu(s + j, n - j);  // loadu with a count zero-fills the lanes past n
+    if constexpr (std::is_same_v<ct, acc_t>) std::copy(s + j, s + n, out + j);
   }
+  if constexpr (!std::is_same_v<ct, acc_t>) at::vec::convert(s, out, n);
   return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, vsum);
 }
 
@@ -326,96 +379,120 @@ inline void store_row(st* dst, int64_t stride, const acc_t* src, int64_t n, acc_
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
+// Query rows per work item: several query blocks share each packed key/value block (packing costs
+// O(block_k · D) per item and key block), as long as there are enough items to keep threads busy.
+inline int64_t blocks_per_item(int64_t q_blocks, int64_t heads, int64_t threads) {
+  int64_t per_item = 1;
+  while (per_item < 8 && per_item < q_blocks &&
+         heads * ((q_blocks + 2 * per_item - 1) / (2 * per_item)) >= 4 * threads) {
+    per_item *= 2;
+  }
+  return per_item;
+}
+
 template <typename scalar_t, typename ct>
 void forward_impl(const Params& p) {
   using acc_t = typename AccType<scalar_t>::type;
   using lse_t = acc_t;
   constexpr bool vnni = kVnni<ct>;
+  constexpr bool separate_p = !std::is_same_v<ct, acc_t>;
   const int64_t BQ = p.block_q, BK = p.block_k;
   const int64_t Lq = p.len_q, Lk = p.len_k, D = p.dim_qk, Dv = p.dim_v;
   const int64_t groups = p.heads_q / p.heads_kv;
   const int64_t q_blocks = (Lq + BQ - 1) / BQ;
+  const int64_t per_item = blocks_per_item(q_blocks, p.batch * p.heads_q, at::get_num_threads());
+  const int64_t rows_per_item = per_item * BQ;
+  const int64_t chunks = (Lq + rows_per_item - 1) / rows_per_item;
   const int64_t Dpad = vnni ? round_up(D, 2) : D;
   const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const bool separate_p = !std::is_same_v<ct, acc_t>;
-  const size_t scratch_bytes = Scratch::bytes<ct>(BQ * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
+  const bool plain_scores = p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && scale > 0;
+  const size_t scratch_bytes = Scratch::bytes<ct>(rows_per_item * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
                                Scratch::bytes<ct>(BKpad * Dv) + Scratch::bytes<acc_t>(BQ * BK) +
                                (separate_p ? Scratch::bytes<ct>(BQ * BKpad) : 0) +
-                               Scratch::bytes<acc_t>(BQ * Dv) + 2 * Scratch::bytes<acc_t>(BQ);
+                               Scratch::bytes<acc_t>(rows_per_item * Dv) +
+                               2 * Scratch::bytes<acc_t>(rows_per_item);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
   const auto* Vt = static_cast<const scalar_t*>(p.value.data);
   auto* O = static_cast<scalar_t*>(p.out.data);
   auto* LSE = static_cast<lse_t*>(p.lse.data);
 
-  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.batch * p.heads_q * chunks, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(scratch_bytes);
-    ct* qbuf = scratch.take<ct>(BQ * Dpad);
+    ct* qbuf = scratch.take<ct>(rows_per_item * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* vbuf = scratch.take<ct>(BKpad * Dv);
     acc_t* sbuf = scratch.take<acc_t>(BQ * BK);
     ct* pbuf = separate_p ? scratch.take<ct>(BQ * BKpad) : reinterpret_cast<ct*>(sbuf);
-    acc_t* obuf = scratch.take<acc_t>(BQ * Dv);
-    acc_t* row_max = scratch.take<acc_t>(BQ);
-    acc_t* row_sum = scratch.take<acc_t>(BQ);
+    acc_t* obuf = scratch.take<acc_t>(rows_per_item * Dv);
+    acc_t* row_max = scratch.take<acc_t>(rows_per_item);
+    acc_t* row_sum = scratch.take<acc_t>(rows_per_item);
 
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t qb = item % q_blocks;
-      const int64_t h = (item / q_blocks) % p.heads_q;
-      const int64_t b = item / (q_blocks * p.heads_q);
+      const int64_t chunk = item % chunks;
+      const int64_t h = (item / chunks) % p.heads_q;
+      const int64_t b = item / (chunks * p.heads_q);
       const int64_t hk = h / groups;
-      const int64_t q0 = qb * BQ;
-      const int64_t bq = std::min(BQ, Lq - q0);
-      const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + q0 * p.query.s[2];
+      const int64_t c0 = chunk * rows_per_item;
+      const int64_t rows = std::min(rows_per_item, Lq - c0);
+      const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + c0 * p.query.s[2];
       const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
       const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
-      pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], bq, D);
-      std::fill(row_max, row_max + bq, neg_inf<acc_t>());
-      std::fill(row_sum, row_sum + bq, acc_t(0));
-      std::fill(obuf, obuf + bq * Dv, acc_t(0));
+      pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], rows, D);
+      std::fill(row_max, row_max + rows, neg_inf<acc_t>());
+      std::fill(row_sum, row_sum + rows, acc_t(0));
+      std::fill(obuf, obuf + rows * Dv, acc_t(0));
 
-      // Causal: query i sees keys j <= i, so this block needs keys below q0 + bq only.
-      const int64_t k_end = p.causal ? std::min(Lk, q0 + bq) : Lk;
+      // Causal: query i sees keys j <= i, so these rows need keys below c0 + rows only.
+      const int64_t k_end = p.causal ? std::min(Lk, c0 + rows) : Lk;
       for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
         const int64_t bk = std::min(BK, k_end - k0);
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
-        // Kᵀ block as B (D × bk); V block as B (bk × Dv).
+        // Kᵀ block as B (D × bk); V block as B (bk × Dv): packed once for all query blocks here.
         pack_b(kbuf, k_head + k0 * p.key.s[2], p.key.s[3], p.key.s[2], D, Dpad, bk);
-        gemm<ct, acc_t>(bq, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
         pack_b(vbuf, v_head + k0 * p.value.s[2], p.value.s[2], p.value.s[3], bk, bkpad, Dv);
 
-        for (int64_t r = 0; r < bq; ++r) {
-          acc_t* srow = sbuf + r * bk;
-          ct* prow = pbuf + r * ldp;
-          const int64_t qi = q0 + r;
-          const int64_t visible = p.causal ? std::clamp<int64_t>(qi - k0 + 1, 0, bk) : bk;
-          const acc_t block_max =
-              prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
-          const acc_t m_old = row_max[r];
-          const acc_t m_new = std::max(m_old, block_max);
-          if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
-            std::fill(prow, prow + ldp, ct(0));
-            continue;
-          }
-          const acc_t alpha = std::exp(m_old - m_new);  // 0 when m_old is -inf
-          const acc_t sum = exp_row(srow, visible, m_new);
-          if constexpr (std::is_same_v<ct, acc_t>) {
-            std::fill(srow + visible, srow + bk, acc_t(0));
-          } else {
-            at::vec::convert(srow, prow, visible);
+        for (int64_t r0 = 0; r0 < rows; r0 += BQ) {
+          const int64_t q0 = c0 + r0;
+          const int64_t bq = std::min(BQ, rows - r0);
+          if (p.causal && k0 > q0 + bq - 1) continue;  // no row of this query block sees these keys
+          gemm<ct, acc_t>(bq, bk, Dpad, qbuf + r0 * Dpad, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+          for (int64_t r = 0; r < bq; ++r) {
+            acc_t* srow = sbuf + r * bk;
+            ct* prow = pbuf + r * ldp;
+            const int64_t qi = q0 + r;
+            const int64_t visible = p.causal ? std::clamp<int64_t>(qi - k0 + 1, 0, bk) : bk;
+            // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
+            acc_t row_scale = scale;
+            acc_t block_max;
+            if (plain_scores) {
+              block_max = row_max_of(srow, visible) * scale;
+            } else {
+              block_max = prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
+              row_scale = acc_t(1);
+            }
+            acc_t* m = row_max + r0 + r;
+            acc_t* l = row_sum + r0 + r;
+            const acc_t m_new = std::max(*m, block_max);
+            if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
+              std::fill(prow, prow + ldp, ct(0));
+              continue;
+            }
+            const acc_t alpha = std::exp(*m - m_new);  // 0 when the old max is -inf
+            const acc_t sum = exp_row(srow, visible, row_scale, m_new, prow);
             std::fill(prow + visible, prow + ldp, ct(0));
+            *l = *l * alpha + sum;
+            *m = m_new;
+            if (alpha != acc_t(1)) scale_row(obuf + (r0 + r) * Dv, Dv, alpha);
           }
-          row_sum[r] = row_sum[r] * alpha + sum;
-          row_max[r] = m_new;
-          if (alpha != acc_t(1)) scale_row(obuf + r * Dv, Dv, alpha);
+          gemm<ct, acc_t>(bq, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, true, p.use_brgemm);
         }
-        gemm<ct, acc_t>(bq, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, true, p.use_brgemm);
       }
 
-      for (int64_t r = 0; r < bq; ++r) {
-        const int64_t qi = q0 + r;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t qi = c0 + r;
         const bool seen = row_sum[r] > acc_t(0);
         scalar_t* o_row = O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2];
         store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, seen ? acc_t(1) / row_sum[r] : acc_t(0));
@@ -549,7 +626,7 @@ void backward_impl(const Params& p) {
               // A row that saw no key has lse -inf; +inf makes every P of it 0.
               if (lse == neg_inf<acc_t>()) lse = std::numeric_limits<acc_t>::infinity();
               const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
-              exp_row(srow, visible, lse);  // srow now holds P
+              exp_row(srow, visible, acc_t(1), lse, srow);  // srow now holds P
               for (int64_t j = 0; j < visible; ++j) dprow[j] = srow[j] * (dprow[j] - d);
               for (int64_t j = visible; j < bk; ++j) srow[j] = dprow[j] = acc_t(0);
               for (int64_t j = 0; j < bk; ++j) {
