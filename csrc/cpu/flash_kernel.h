@@ -288,9 +288,16 @@ template <typename acc_t>
 acc_t row_max_of(const acc_t* s, int64_t n) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
-  V vmax(neg_inf<acc_t>());
+  V m0(neg_inf<acc_t>()), m1(neg_inf<acc_t>()), m2(neg_inf<acc_t>()), m3(neg_inf<acc_t>());
   int64_t j = 0;
-  for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, V::loadu(s + j));
+  for (; j + 4 * W <= n; j += 4 * W) {  // four independent chains hide the latency of max
+    m0 = at::vec::maximum(m0, V::loadu(s + j));
+    m1 = at::vec::maximum(m1, V::loadu(s + j + W));
+    m2 = at::vec::maximum(m2, V::loadu(s + j + 2 * W));
+    m3 = at::vec::maximum(m3, V::loadu(s + j + 3 * W));
+  }
+  for (; j + W <= n; j += W) m0 = at::vec::maximum(m0, V::loadu(s + j));
+  V vmax = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
   acc_t mx = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, vmax);
   for (; j < n; ++j) mx = std::max(mx, s[j]);
   return mx;
@@ -331,33 +338,50 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
 }
 
 // out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
-// their sum. Hidden keys (-inf) give 0: the argument is clamped to the lowest finite value first,
-// where the polynomial exp returns 0.
-template <typename acc_t, typename ct>
+// their sum. With kMayHide, s may hold -inf (hidden keys), which must give 0: the argument is
+// clamped to the lowest finite value first, where the polynomial exp returns 0. P meant for a
+// bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp (fexp_u20).
+template <bool kMayHide, typename acc_t, typename ct>
 acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   const V vscale(scale), vshift(-shift);
   const V lowest(std::numeric_limits<acc_t>::lowest());
-  V vsum(acc_t(0));
-  int64_t j = 0;
-  for (; j + W <= n; j += W) {
-    const V e = vexp(at::vec::maximum(at::vec::fmadd(V::loadu(s + j), vscale, vshift), lowest));
-    vsum = vsum + e;
-    if constexpr (std::is_same_v<ct, acc_t>) {
-      e.store(out + j);
+  auto exp_of = [&](const V& x) {
+    V arg = at::vec::fmadd(x, vscale, vshift);
+    if constexpr (kMayHide) arg = at::vec::maximum(arg, lowest);
+    if constexpr (kVnni<ct>) {
+      return arg.fexp_u20();
     } else {
-      e.store(s + j);
+      return vexp(arg);
+    }
+  };
+  V sum0(acc_t(0)), sum1(acc_t(0));
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {
+    const V e0 = exp_of(V::loadu(s + j));
+    const V e1 = exp_of(V::loadu(s + j + W));
+    sum0 = sum0 + e0;
+    sum1 = sum1 + e1;
+    if constexpr (kVnni<ct>) {
+      at::vec::convert_from_float<ct>(e0, e1).store(out + j);
+    } else if constexpr (std::is_same_v<ct, acc_t>) {
+      e0.store(out + j);
+      e1.store(out + j + W);
+    } else {
+      e0.store(s + j);
+      e1.store(s + j + W);
+      at::vec::convert(s + j, out + j, 2 * W);
     }
   }
-  if (j < n) {
-    const V e = vexp(at::vec::maximum(at::vec::fmadd(V::loadu(s + j, n - j), vscale, vshift), lowest));
-    e.store(s + j, n - j);
-    vsum = vsum + V::loadu(s + j, n - j);  // loadu with a count zero-fills the lanes past n
-    if constexpr (std::is_same_v<ct, acc_t>) std::copy(s + j, s + n, out + j);
+  for (; j < n; j += W) {
+    const int64_t count = std::min<int64_t>(W, n - j);
+    const V e = exp_of(V::loadu(s + j, count));
+    e.store(s + j, count);
+    sum0 = sum0 + V::loadu(s + j, count);  // loadu with a count zero-fills the lanes past n
+    at::vec::convert(s + j, out + j, count);
   }
-  if constexpr (!std::is_same_v<ct, acc_t>) at::vec::convert(s, out, n);
-  return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, vsum);
+  return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, sum0 + sum1);
 }
 
 template <typename T>
@@ -481,7 +505,8 @@ void forward_impl(const Params& p) {
               continue;
             }
             const acc_t alpha = std::exp(*m - m_new);  // 0 when the old max is -inf
-            const acc_t sum = exp_row(srow, visible, row_scale, m_new, prow);
+            const acc_t sum = plain_scores ? exp_row<false>(srow, visible, row_scale, m_new, prow)
+                                           : exp_row<true>(srow, visible, row_scale, m_new, prow);
             std::fill(prow + visible, prow + ldp, ct(0));
             *l = *l * alpha + sum;
             *m = m_new;
@@ -626,7 +651,7 @@ void backward_impl(const Params& p) {
               // A row that saw no key has lse -inf; +inf makes every P of it 0.
               if (lse == neg_inf<acc_t>()) lse = std::numeric_limits<acc_t>::infinity();
               const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
-              exp_row(srow, visible, acc_t(1), lse, srow);  // srow now holds P
+              exp_row<true>(srow, visible, acc_t(1), lse, srow);  // srow now holds P
               for (int64_t j = 0; j < visible; ++j) dprow[j] = srow[j] * (dprow[j] - d);
               for (int64_t j = visible; j < bk; ++j) srow[j] = dprow[j] = acc_t(0);
               for (int64_t j = 0; j < bk; ++j) {
