@@ -158,8 +158,10 @@ CASES = {
 }
 
 # Each rotation gives q, k, v, out and grad_out five different layouts, and across the rotations
-# every tensor sees every layout.
-ROTATIONS = range(len(testing.LAYOUTS))
+# every tensor sees every layout. By default three rotations run (every layout is still used by some
+# tensor in every case); the other two are marked slow, to keep the file near three minutes here.
+ROTATIONS = [rotation if rotation < 3 else pytest.param(rotation, marks=pytest.mark.slow)
+             for rotation in range(len(testing.LAYOUTS))]
 
 
 def _layouts(rotation: int) -> dict[str, str]:
@@ -598,3 +600,48 @@ def test_large_default_configs(name, dtype, generator):
     case = LARGE_CASES[name]
     inputs = make_inputs(case, dtype, 3, generator)
     check(run_backend(inputs, case, "seq_first"), inputs, case)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------------
+
+class _FakeCudaTensor:
+    """What the autotuner's pruning looks at: a device and an element size."""
+
+    device = torch.device("cuda", 0)
+
+    def element_size(self):
+        return 2
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
+@pytest.mark.parametrize("capability, shared", [((8, 0), 163 * 1024), ((9, 0), 227 * 1024),
+                                                ((8, 6), 99 * 1024), ((7, 5), 64 * 1024)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_autotune_candidates_pruned_to_device_shared_memory(kernel, capability, shared, head_dim,
+                                                            monkeypatch):
+    monkeypatch.setattr(tk, "_device_limits", lambda index: (capability, shared))
+    tuner = tk._autotuned(kernel)
+    assert tuner.keys == ["L_Q", "L_K", "GROUP"]
+    constexprs = dict(BLOCK_DQK=head_dim, BLOCK_DV=head_dim, D_QK=head_dim, D_V=head_dim)
+    pruned = tuner.early_config_prune(tuner.configs, {"Q": _FakeCudaTensor()}, **constexprs)
+    assert pruned
+    chosen = [tk.KernelConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+              for c in pruned]
+    # The generation's default comes first when it fits; every candidate fits the device.
+    default = tk.default_config(kernel, tk.arch_of(capability), head_dim, 2)
+    if tk.shared_memory_estimate(kernel, default, head_dim, head_dim, 2) <= shared:
+        assert chosen[0] == default
+    for config in chosen[1:]:
+        assert tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2) <= shared
+    assert len(set(chosen)) == len(chosen)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
+def test_default_configs_fit_their_generation(kernel):
+    for arch, limit in tk.SHARED_MEMORY_LIMIT.items():
+        for head_dim in (16, 32, 64, 128, 256):
+            for size in (2, 4):
+                config = tk.default_config(kernel, arch, head_dim, size)
+                assert tk.shared_memory_estimate(kernel, config, head_dim, head_dim, size) <= limit

@@ -87,3 +87,16 @@ def test_inspection_flags_spills_and_missing_tensor_cores(tmp_path, monkeypatch)
     assert "stack frame of 16 bytes" in text
     assert "no HMMA instructions" in text
     assert "shared memory" in text
+
+
+def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
+    """The autotuner prunes candidates by `shared_memory_estimate`; it must not undercount."""
+    from fused_attn.backends import triton_kernels as tk
+
+    for (kernel, target, dtype, head_dim, causal), row in rows.items():
+        if kernel not in triton_report.MATMUL_KERNELS:
+            continue
+        config = tk.default_config(kernel, target, head_dim, 2)
+        assert str(config) == row["config"]
+        estimate = tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2)
+        assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal)

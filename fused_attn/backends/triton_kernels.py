@@ -377,25 +377,28 @@ class KernelConfig:
                              num_warps=self.num_warps, num_stages=self.num_stages)
 
 
-# Defaults by kernel, GPU generation (sm_80 table for compute capability < 9, sm_90 from 9 on) and
-# padded head dim (the larger of D_qk and D_v), for 2-byte dtypes. Each fp16/bf16 entry for head dims
-# 64 and 128 is compiled for its target by bench/triton_report.py (tests/test_triton_compile.py): no
-# spills, tensor-core instructions, shared memory within the device limit. On sm_80 the backward
-# tiles of 64 x 64 with 4 warps spilled (dQ at D=64, dK/dV at D=128) and the forward at D=128 used
-# 244 registers; these entries have 8 warps or narrower key tiles instead.
+# Defaults by kernel, GPU generation (the sm_80 table below compute capability 9, the sm_90 one from 9
+# on), bytes per element (2: fp16/bf16, 4: fp32) and padded head dim (the larger of D_qk and D_v).
+# Every entry was compiled for its target (bench/triton_report.py) without spills and, for 2-byte
+# types, with tensor-core instructions (HMMA on sm_80, HGMMA on sm_90) and shared memory within the
+# device limit; tests/test_triton_compile.py keeps checking the fp16/bf16 entries of head dims 64 and
+# 128. Found on the way: 64 x 64 backward tiles with 4 warps spilled on sm_80 (dQ at D=64, dK/dV at
+# D=128), 4 warps spilled at D=256, and fp32 in full precision (FMA, no tensor cores) needs small
+# tiles, 128-row tiles spilling by hundreds of local loads on sm_90.
+_K = KernelConfig
 _DEFAULTS = {
-    ("fwd", "sm_80"): {64: KernelConfig(128, 64, 8, 3), 128: KernelConfig(128, 32, 8, 3),
-                       256: KernelConfig(64, 32, 4, 2)},
-    ("fwd", "sm_90"): {64: KernelConfig(128, 64, 4, 3), 128: KernelConfig(128, 64, 8, 3),
-                       256: KernelConfig(64, 32, 4, 2)},
-    ("bwd_dkdv", "sm_80"): {64: KernelConfig(32, 128, 8, 2), 128: KernelConfig(32, 64, 8, 2),
-                            256: KernelConfig(16, 32, 4, 1)},
-    ("bwd_dkdv", "sm_90"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(32, 64, 4, 2),
-                            256: KernelConfig(16, 32, 4, 1)},
-    ("bwd_dq", "sm_80"): {64: KernelConfig(128, 32, 8, 2), 128: KernelConfig(64, 64, 8, 2),
-                          256: KernelConfig(32, 16, 4, 1)},
-    ("bwd_dq", "sm_90"): {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(64, 32, 4, 2),
-                          256: KernelConfig(32, 16, 4, 1)},
+    ("fwd", "sm_80", 2): {64: _K(128, 64, 8, 3), 128: _K(128, 32, 8, 3), 256: _K(64, 32, 8, 2)},
+    ("fwd", "sm_90", 2): {64: _K(128, 64, 4, 3), 128: _K(128, 64, 8, 3), 256: _K(64, 32, 4, 2)},
+    ("bwd_dkdv", "sm_80", 2): {64: _K(32, 128, 8, 2), 128: _K(32, 64, 8, 2), 256: _K(16, 64, 8, 2)},
+    ("bwd_dkdv", "sm_90", 2): {64: _K(64, 64, 4, 2), 128: _K(32, 64, 4, 2), 256: _K(16, 64, 8, 2)},
+    ("bwd_dq", "sm_80", 2): {64: _K(128, 32, 8, 2), 128: _K(64, 64, 8, 2), 256: _K(64, 32, 8, 2)},
+    ("bwd_dq", "sm_90", 2): {64: _K(64, 64, 4, 2), 128: _K(64, 32, 4, 2), 256: _K(64, 16, 4, 2)},
+    ("fwd", "sm_80", 4): {64: _K(64, 32, 8, 2), 128: _K(64, 32, 8, 2), 256: _K(32, 16, 4, 2)},
+    ("fwd", "sm_90", 4): {64: _K(64, 32, 8, 2), 128: _K(32, 16, 4, 2), 256: _K(32, 16, 4, 2)},
+    ("bwd_dkdv", "sm_80", 4): {64: _K(16, 64, 4, 2), 128: _K(16, 64, 8, 2), 256: _K(16, 32, 4, 1)},
+    ("bwd_dkdv", "sm_90", 4): {64: _K(16, 64, 4, 2), 128: _K(16, 64, 8, 2), 256: _K(16, 16, 4, 1)},
+    ("bwd_dq", "sm_80", 4): {64: _K(64, 16, 4, 2), 128: _K(64, 16, 4, 2), 256: _K(32, 16, 4, 1)},
+    ("bwd_dq", "sm_90", 4): {64: _K(64, 32, 8, 2), 128: _K(64, 16, 4, 2), 256: _K(32, 16, 4, 1)},
 }
 PREPROCESS_BLOCK_M = 64
 SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
@@ -411,16 +414,9 @@ def arch_of(capability: tuple[int, int]) -> str:
 
 
 def default_config(kernel: str, arch: str, head_dim: int, element_size: int) -> KernelConfig:
-    """The default of `kernel` for a padded head dim; fp32 tiles are halved along the looped axis."""
-    table = _DEFAULTS[(kernel, arch)]
-    config = table[min(dim for dim in table if dim >= head_dim)]
-    if element_size > 2:
-        # Twice the bytes per element: halve the tiles streamed through shared memory.
-        if kernel == "fwd" or kernel == "bwd_dq":
-            config = dataclasses.replace(config, block_n=max(16, config.block_n // 2))
-        else:
-            config = dataclasses.replace(config, block_m=max(16, config.block_m // 2))
-    return config
+    """The default of `kernel` on `arch` ("sm_80" or "sm_90") for a padded head dim."""
+    table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
+    return table[min(dim for dim in table if dim >= head_dim)]
 
 
 def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, block_dv: int,
@@ -443,8 +439,10 @@ def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, bl
 def _candidates(kernel: str) -> list[KernelConfig]:
     """Autotuning candidates: every default plus neighbours in tile size, warps and stages."""
     found = []
-    for arch in ("sm_80", "sm_90"):
-        for config in _DEFAULTS[(kernel, arch)].values():
+    for (name, _, _), table in _DEFAULTS.items():
+        if name != kernel:
+            continue
+        for config in table.values():
             for variant in (config,
                             dataclasses.replace(config, num_stages=config.num_stages + 1),
                             dataclasses.replace(config, num_warps=8 if config.num_warps == 4 else 4),
@@ -539,9 +537,14 @@ def _device_limits(index: int) -> tuple[tuple[int, int], int]:
     return torch.cuda.get_device_capability(index), properties["max_shared_mem"]
 
 
+def _device_index(tensor) -> int:
+    index = tensor.device.index
+    return torch.cuda.current_device() if index is None else index
+
+
 def _fitting(kernel, configs, tensor, constexprs):
     """The configs whose estimated shared memory fits the device of `tensor`."""
-    _, max_shared = _device_limits(tensor.device.index or 0)
+    _, max_shared = _device_limits(_device_index(tensor))
     size = tensor.element_size()
     return [config for config in configs
             if shared_memory_estimate(kernel, config, constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"],
@@ -574,7 +577,7 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     head_dim = max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"])
     if tensor.device.type != "cuda":
         return default_config(kernel, "sm_80", head_dim, tensor.element_size())
-    capability, _ = _device_limits(tensor.device.index or 0)
+    capability, _ = _device_limits(_device_index(tensor))
     config = default_config(kernel, arch_of(capability), head_dim, tensor.element_size())
     if _fitting(kernel, [config], tensor, constexprs):
         return config
@@ -616,10 +619,12 @@ def _launch(kernel: str, programs_along, args, constexprs, tensor):
                           num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def _check_device(tensor: torch.Tensor) -> None:
+def _on_device(tensor: torch.Tensor):
+    """The context to launch in: the tensors' GPU made current (Triton launches on the current one)."""
     if tensor.device.type == "cpu" and not interpreting():
         raise RuntimeError("the triton kernels were built for the GPU (TRITON_INTERPRET was not set when "
                            "fused_attn.backends.triton_kernels was first imported); CPU tensors need it")
+    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()
 
 
 def new_gradient(tensor: torch.Tensor) -> torch.Tensor:
@@ -630,19 +635,25 @@ def new_gradient(tensor: torch.Tensor) -> torch.Tensor:
 
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out) -> torch.Tensor:
     """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q)."""
-    _check_device(query)
     batch, heads_q, len_q, _ = query.shape
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
     args, constexprs = forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
                                     out, lse)
-    _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
+    with _on_device(query):
+        _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
     return lse
 
 
 def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
              grad_lse):
     """(dq, dk, dv), each laid out like its input; deterministic (no atomics, fixed summation order)."""
-    _check_device(query)
+    with _on_device(query):
+        return _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
+                         grad_out, grad_lse)
+
+
+def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
+              grad_lse):
     batch, heads_q, len_q, dim_v = out.shape
     heads_kv, len_k = key.shape[1], key.shape[2]
     delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
