@@ -84,6 +84,16 @@ int main() {
 """
 
 
+def build_flags() -> list[str]:
+    """The nvcc flags of the real build: setup.py's, plus those torch's BuildExtension adds to every
+    .cu file (no implicit half/bfloat16 conversions or operators, relaxed constexpr)."""
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    except ImportError:
+        COMMON_NVCC_FLAGS = []
+    return ["-std=c++17", "-O3", *COMMON_NVCC_FLAGS]
+
+
 class ToolMissing(FileNotFoundError):
     """nvcc (or cuobjdump) is not installed here; the message says which."""
 
@@ -223,7 +233,7 @@ def report(targets=TARGETS, timeout=1800, workdir: str | None = None) -> list[di
         rows, configs = [], None
         for target in targets:
             binary = Path(tmp) / f"flash_instances_{target}"
-            compiled = _run([nvcc, "-std=c++17", "-O3", f"-arch={target}", "-Xptxas", "-v",
+            compiled = _run([nvcc, *build_flags(), f"-arch={target}", "-Xptxas", "-v",
                              "--resource-usage", "-I", str(KERNEL_DIR), "-o", str(binary), str(source)],
                             tmp, timeout)
             if configs is None:  # the configuration is host-side and the same for every target
@@ -258,7 +268,7 @@ def compile_glue(target: str = "sm_80", timeout=1800) -> str:
         if not generated.is_file():
             (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
         includes = [f"-I{Path(tmp) / 'stub'}"] + [f"-I{path}" for path in cpp_extension.include_paths()]
-        command = [nvcc, "-std=c++17", "-O3", f"-arch={target}", "-Xptxas", "-v", "-c",
+        command = [nvcc, *build_flags(), f"-arch={target}", "-Xptxas", "-v", "-c",
                    str(KERNEL_DIR / "flash_cuda.cu"), "-o", str(Path(tmp) / "flash_cuda.o"),
                    "-diag-suppress", "3306", "-DTORCH_EXTENSION_NAME=_C", *includes]
         done = _run(command, tmp, timeout)

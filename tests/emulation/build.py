@@ -38,6 +38,11 @@ def cuda_include_dir() -> pathlib.Path | None:
     return None
 
 
+def _nvcc_type_flags() -> list[str]:
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+    return [flag for flag in COMMON_NVCC_FLAGS if flag.startswith("-D__CUDA_NO_")]
+
+
 @functools.lru_cache(maxsize=None)
 def load():
     """The compiled module, with `forward` and `backward` on CPU tensors (see flash_emulated.cpp)."""
@@ -52,7 +57,8 @@ def load():
         name="fused_attn_cuda_emulated",
         sources=[str(HERE / "flash_emulated.cpp")],
         extra_include_paths=[str(HERE), str(KERNELS), str(include)],
-        extra_cflags=["-std=c++20", "-O2", "-Wno-unused-parameter"],
+        # As strict about fp16/bf16 as torch's CUDA builds: no implicit conversions or operators.
+        extra_cflags=["-std=c++20", "-O2", "-Wno-unused-parameter", *_nvcc_type_flags()],
         extra_ldflags=["-pthread"],
         build_directory=str(build_directory),
         verbose=os.environ.get("FUSED_ATTN_VERBOSE_BUILD") == "1",
