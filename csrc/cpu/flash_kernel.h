@@ -532,6 +532,38 @@ void forward_impl(const Params& p) {
 // ---------------------------------------------------------------------------------------------
 // Backward.
 
+// dS = P (dP - delta) in place of dP, for the first n entries of a row.
+template <typename acc_t>
+inline void grad_scores(const acc_t* prob, acc_t* dp, int64_t n, acc_t delta) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const V vdelta(delta);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) (V::loadu(prob + j) * (V::loadu(dp + j) - vdelta)).store(dp + j);
+  for (; j < n; ++j) dp[j] = prob[j] * (dp[j] - delta);
+}
+
+// dst[c][r] (leading dimension ld_dst, columns rows..ld_dst zero) = src[r][c], r < rows, c < cols,
+// in the operand type: float tiles move by 16×16 register transposes; other operand types are
+// transposed in float (through `tmp`, cols × ld_dst) and then converted row by row.
+template <typename ct, typename acc_t>
+void transpose_tile(ct* dst, int64_t ld_dst, const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols,
+                    acc_t* tmp) {
+  if constexpr (std::is_same_v<ct, float> && std::is_same_v<acc_t, float>) {
+    transpose_32bit(dst, ld_dst, src, ld_src, rows, cols);
+  } else if constexpr (std::is_same_v<ct, acc_t>) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+    }
+  } else {
+    transpose_32bit(tmp, ld_dst, src, ld_src, rows, cols);
+    for (int64_t c = 0; c < cols; ++c) at::vec::convert(tmp + c * ld_dst, dst + c * ld_dst, rows);
+  }
+  if (ld_dst > rows) {
+    for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_dst + rows, dst + (c + 1) * ld_dst, ct(0));
+  }
+}
+
 // delta = rowsum(dO * O) - grad_lse, one value per query row, in the accumulation type.
 template <typename scalar_t>
 void compute_delta(const Params& p) {
@@ -577,7 +609,8 @@ void backward_impl(const Params& p) {
       Scratch::bytes<ct>(BQpad * Dv) + 2 * Scratch::bytes<acc_t>(BQ * BK) +
       2 * Scratch::bytes<ct>(BK * BQpad) + Scratch::bytes<ct>(BQ * BKpad) +
       Scratch::bytes<acc_t>(BK * D) + Scratch::bytes<acc_t>(BK * Dv) +
-      Scratch::bytes<acc_t>(groups * Lq * D);
+      Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(BK * BQpad);
+  const bool plain_scores = p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && scale > 0;
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
   const auto* Vt = static_cast<const scalar_t*>(p.value.data);
@@ -605,6 +638,7 @@ void backward_impl(const Params& p) {
     acc_t* dk_acc = scratch.take<acc_t>(BK * D);
     acc_t* dv_acc = scratch.take<acc_t>(BK * Dv);
     acc_t* dq_acc = scratch.take<acc_t>(groups * Lq * D);
+    acc_t* tbuf = std::is_same_v<ct, acc_t> ? nullptr : scratch.take<acc_t>(BK * BQpad);
 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t hk = item % p.heads_kv;
@@ -636,8 +670,15 @@ void backward_impl(const Params& p) {
                 dO + b * p.grad_out.s[0] + h * p.grad_out.s[1] + q0 * p.grad_out.s[2];
             pack_a(q_a, Dpad, q_ptr, p.query.s[2], p.query.s[3], bq, D);
             pack_a(do_a, Dvpad, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, Dv);
-            pack_b(q_b, q_ptr, p.query.s[2], p.query.s[3], bq, bqpad, D);
-            pack_b(do_b, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, bqpad, Dv);
+            // As B of dK += dSᵀ Q and dV += Pᵀ dO. Plain layouts equal the A packing just done.
+            const ct* qb = q_a;
+            const ct* dob = do_a;
+            if constexpr (vnni) {
+              pack_b(q_b, q_ptr, p.query.s[2], p.query.s[3], bq, bqpad, D);
+              pack_b(do_b, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, bqpad, Dv);
+              qb = q_b;
+              dob = do_b;
+            }
             gemm<ct, acc_t>(bq, bk, Dpad, q_a, Dpad, kt_b, bk, sbuf, bk, false, p.use_brgemm);
             gemm<ct, acc_t>(bq, bk, Dvpad, do_a, Dvpad, vt_b, bk, dpbuf, bk, false, p.use_brgemm);
 
@@ -646,27 +687,36 @@ void backward_impl(const Params& p) {
               acc_t* srow = sbuf + r * bk;
               acc_t* dprow = dpbuf + r * bk;
               const int64_t visible = p.causal ? std::clamp<int64_t>(qi - k0 + 1, 0, bk) : bk;
-              prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
               acc_t lse = LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]];
               // A row that saw no key has lse -inf; +inf makes every P of it 0.
               if (lse == neg_inf<acc_t>()) lse = std::numeric_limits<acc_t>::infinity();
               const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
-              exp_row<true>(srow, visible, acc_t(1), lse, srow);  // srow now holds P
-              for (int64_t j = 0; j < visible; ++j) dprow[j] = srow[j] * (dprow[j] - d);
-              for (int64_t j = visible; j < bk; ++j) srow[j] = dprow[j] = acc_t(0);
-              for (int64_t j = 0; j < bk; ++j) {
-                pt[j * bqpad + r] = static_cast<ct>(srow[j]);
-                dst[j * bqpad + r] = static_cast<ct>(dprow[j]);
+              if (plain_scores) {
+                exp_row<false>(srow, visible, scale, lse, srow);  // srow now holds P
+              } else {
+                prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
+                exp_row<true>(srow, visible, acc_t(1), lse, srow);
               }
-              copy_row(ds + r * bkpad, dprow, 1, bk);
-              if (bkpad > bk) ds[r * bkpad + bk] = ct(0);
+              grad_scores(srow, dprow, visible, d);  // dprow now holds dS
+              std::fill(srow + visible, srow + bk, acc_t(0));
+              std::fill(dprow + visible, dprow + bk, acc_t(0));
             }
-            for (int64_t r = bq; r < bqpad; ++r) {
-              for (int64_t j = 0; j < bk; ++j) pt[j * bqpad + r] = dst[j * bqpad + r] = ct(0);
+            // Pᵀ and dSᵀ (bk × bq, columns bq..bqpad zero), the A operands of dV and dK.
+            transpose_tile(pt, bqpad, sbuf, bk, bq, bk, tbuf);
+            transpose_tile(dst, bqpad, dpbuf, bk, bq, bk, tbuf);
+            const ct* ds_a = reinterpret_cast<const ct*>(dpbuf);
+            int64_t ld_ds = bk;
+            if constexpr (!std::is_same_v<ct, acc_t>) {
+              for (int64_t r = 0; r < bq; ++r) {
+                at::vec::convert(dpbuf + r * bk, ds + r * bkpad, bk);
+                if (bkpad > bk) ds[r * bkpad + bk] = ct(0);
+              }
+              ds_a = ds;
+              ld_ds = bkpad;
             }
-            gemm<ct, acc_t>(bk, Dv, bqpad, pt, bqpad, do_b, Dv, dv_acc, Dv, true, p.use_brgemm);
-            gemm<ct, acc_t>(bk, D, bqpad, dst, bqpad, q_b, D, dk_acc, D, true, p.use_brgemm);
-            gemm<ct, acc_t>(bq, D, bkpad, ds, bkpad, k_b, D, dq_acc + (g * Lq + q0) * D, D, true,
+            gemm<ct, acc_t>(bk, Dv, bqpad, pt, bqpad, dob, Dv, dv_acc, Dv, true, p.use_brgemm);
+            gemm<ct, acc_t>(bk, D, bqpad, dst, bqpad, qb, D, dk_acc, D, true, p.use_brgemm);
+            gemm<ct, acc_t>(bq, D, bkpad, ds_a, ld_ds, k_b, D, dq_acc + (g * Lq + q0) * D, D, true,
                             p.use_brgemm);
           }
         }
