@@ -226,13 +226,34 @@ struct SharedCarver {
   }
 };
 
+// 16 bytes: the widest load a thread issues.
+struct alignas(16) Chunk16 {
+  uint32_t words[4];
+};
+
 // Loads rows [row0, row0 + ROWS) x columns [0, COLS) of a strided matrix into shared memory,
 // zero-filling rows >= rows_valid and columns >= cols_valid (padding of length and head dim).
-// Consecutive threads read consecutive columns, coalesced when the column stride is 1.
+// Consecutive threads read consecutive columns, coalesced when the column stride is 1; then, when
+// every row starts on 16 bytes and holds whole 16-byte chunks, in 16-byte loads.
 template <typename T, int ROWS, int COLS>
 __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t row_stride,
                                           int64_t col_stride, int row0, int rows_valid,
                                           int cols_valid) {
+  constexpr int VEC = 16 / sizeof(T);
+  static_assert(COLS % VEC == 0, "whole chunks per tile row");
+  const bool chunked = col_stride == 1 && row_stride % VEC == 0 && cols_valid % VEC == 0 &&
+                       reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  if (chunked) {  // the same for every thread of the block
+    constexpr int CHUNKS = COLS / VEC;
+    for (int e = threadIdx.x; e < ROWS * CHUNKS; e += kThreads) {
+      const int r = e / CHUNKS, c = e % CHUNKS * VEC, row = row0 + r;
+      Chunk16 chunk = {};  // all-zero bits: 0 in every element type
+      if (row < rows_valid && c < cols_valid)
+        chunk = *reinterpret_cast<const Chunk16*>(src + row * row_stride + c);
+      *reinterpret_cast<Chunk16*>(dst + r * ld + c) = chunk;
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < ROWS * COLS; e += kThreads) {
     const int r = e / COLS, c = e % COLS, row = row0 + r;
     T value = Element<T>::store(0.0f);
