@@ -3,7 +3,7 @@
 Every shipped template instance: no spills, registers within what __launch_bounds__ allows, shared
 memory within the target's limit (and within 99 KB, so sm_86/sm_89 run them too), tensor-core
 instructions in the fp16/bf16 tile products and none in the fp32 ones. Skips only where nvcc is
-absent. The compilation runs once per test session (about 30 s here for both targets).
+absent. The compilation runs once per test session (30-40 s here for both targets).
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ __device__ __forceinline__ unsigned char* dynamic_shared_memory() {
 namespace fused_attn_cuda {
 
 constexpr int kThreads = 128;  // 4 warps per block, every kernel
-// Every kernel is declared __launch_bounds__(kThreads, 1): at most kThreads threads, and at least
-// one resident block per SM, which is all the shared memory leaves room for anyway. Without the
-// second argument ptxas aims at more resident blocks and spills a few registers of some instances.
+// Every kernel is declared __launch_bounds__(kThreads, 1): at most kThreads threads and at least
+// one resident block per SM (shared memory allows one to three anyway), so ptxas may use up to 255
+// registers. With __launch_bounds__(kThreads) alone it spilled a few bytes in some instances.
 constexpr int kWarps = kThreads / 32;
 // The largest dynamic shared memory a block may use: 99 KB, the opt-in limit of sm_86 and sm_89,
 // the smallest among the default targets (sm_80 allows 163 KB, sm_90 227 KB).
