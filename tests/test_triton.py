@@ -377,6 +377,15 @@ def test_public_attention_with_autograd(name, dtype, generator):
     testing.assert_close_to_reference(testing.Results(out, lse, *grads), exact, same, dtype)
 
 
+def test_opcheck_with_triton_backend(generator):
+    """The registered op, its fake kernel and autograd hold with the triton kernels inside."""
+    q = torch.randn(1, 2, 20, 16, generator=generator).to(DEVICE).requires_grad_()
+    k = torch.randn(1, 2, 24, 16, generator=generator).to(DEVICE).requires_grad_()
+    v = torch.randn(1, 2, 24, 16, generator=generator).to(DEVICE).requires_grad_()
+    with tk.forced_configs(**SMALL_TILES):
+        torch.library.opcheck(fused_attn.ops.attention_fwd, (q, k, v, None, None, True, 0.25, False, "triton"))
+
+
 def _recording_launches(monkeypatch):
     """Records, for every kernel launch, the tensors handed to the kernel."""
     launches = []
@@ -623,7 +632,8 @@ def test_autotune_candidates_pruned_to_device_shared_memory(kernel, capability, 
                                                             monkeypatch):
     monkeypatch.setattr(tk, "_device_limits", lambda index: (capability, shared))
     tuner = tk._autotuned(kernel)
-    assert tuner.keys == ["L_Q", "L_K", "GROUP"]
+    assert tuner.keys == list(tk.AUTOTUNE_KEY)
+    assert set(tk.AUTOTUNE_KEY) <= set(tk.KERNELS[kernel].arg_names)
     constexprs = dict(BLOCK_DQK=head_dim, BLOCK_DV=head_dim, D_QK=head_dim, D_V=head_dim)
     pruned = tuner.early_config_prune(tuner.configs, {"Q": _FakeCudaTensor()}, **constexprs)
     assert pruned

@@ -24,6 +24,13 @@ fp16 and bf16 operands always use tensor cores with fp32 accumulation; the proba
 rounded to the input dtype before their products, as in FlashAttention. Triton's interpreter ignores
 the precision and computes fp32 products exactly.
 
+Configs (tile sizes, warps, stages): a default per kernel, GPU generation (sm_80 / sm_90 tables), dtype
+size and head dim, each verified by ahead-of-time compilation (bench/triton_report.py). On a GPU the
+kernels are autotuned over the defaults and their neighbours, keyed on the lengths, group size, head
+dims, dtypes and features (AUTOTUNE_KEY), pruned to the configs whose shared memory fits the device
+(FUSED_ATTN_TRITON_AUTOTUNE=0 uses the defaults). Under the interpreter the default config runs
+directly: no autotuning.
+
 This module is imported lazily, on the first launch, so that `triton.jit` sees TRITON_INTERPRET as the
 caller (the test configuration) has set it.
 """
@@ -585,6 +592,9 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     return min(smaller, key=lambda c: (c.block_m * c.block_n, c.num_stages)) if smaller else config
 
 
+AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "IS_CAUSAL", "PRECISION")
+
+
 @functools.lru_cache(maxsize=None)
 def _autotuned(kernel: str):
     """`kernel` autotuned over its candidates, keyed on the problem, pruned to what fits the device."""
@@ -601,7 +611,9 @@ def _autotuned(kernel: str):
         chosen = [default] + [c for c in near if c != default]
         return [c.triton_config() for c in chosen]
 
-    key = ["L_Q", "L_K", "GROUP"]
+    # The autotuner adds the tensors' dtypes; the constexprs must be named, or a config tuned for
+    # one head dim would be reused for another.
+    key = list(AUTOTUNE_KEY)
     return triton.autotune(configs=[c.triton_config() for c in candidates], key=key,
                            prune_configs_by={"early_config_prune": prune})(KERNELS[kernel])
 
