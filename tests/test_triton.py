@@ -327,6 +327,7 @@ def test_matches_reference(name, dtype, rotation, generator):
         assert hidden.any(), "the case was meant to have rows that see no key"
         assert (results.out[hidden] == 0).all()
         assert (results.lse[hidden] == float("-inf")).all()
+        assert (results.grad_query[hidden] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
