@@ -263,6 +263,20 @@ def test_emulated_glue_rejects_bad_arguments(emulated, change, message):
 
 
 @pytest.mark.emulated_cuda
+def test_emulated_glue_rejects_outputs_sharing_memory(emulated):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="out must not share memory with query"):
+        emulated.forward(q, q.clone(), q.clone(), None, None, False, 0.25, q)
+    storage = torch.randn(384)  # value in elements 0-127, out in 64-319: they meet
+    key = torch.randn(1, 1, 8, 16)
+    value, out = storage[:128].view(1, 1, 8, 16), storage[64:320].view(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="out must not share memory with value"):
+        emulated.forward(q, key, value, None, None, False, 0.25, out)
+    with pytest.raises(RuntimeError, match="expanded view"):
+        emulated.forward(q, q, q, None, None, False, 0.25, torch.zeros(1, 1, 8, 16).expand(1, 2, 8, 16))
+
+
+@pytest.mark.emulated_cuda
 def test_emulated_glue_rejects_bad_backward_arguments(emulated):
     q = torch.zeros(1, 2, 8, 16)
     lse = torch.zeros(1, 2, 8, dtype=torch.float64)
