@@ -395,3 +395,20 @@ def test_emulation_reports_a_divergent_barrier(emulated):
 @pytest.mark.emulated_cuda
 def test_emulated_shared_memory_starts_as_nan(emulated):
     assert torch.isnan(emulated.unwritten_shared()).all()
+
+
+@pytest.mark.cuda
+def test_cuda_ops_pass_opcheck(generator):
+    from fused_attn import ops
+
+    case = Case("opcheck", heads_q=4, heads_kv=2, len_q=24, len_k=40, dim_qk=32, dim_v=16,
+                causal=True, mask=("bool", "b_1_q_k"), padding=True)
+    inputs = make_inputs(case, torch.float16, 1, generator, device="cuda")
+    q, k, v = (inputs[n].requires_grad_() for n in ("query", "key", "value"))
+    mask = full_mask(inputs["mask"], q, k)
+    args = (q, k, v, mask, inputs["padding"], True, 0.2, False, "cuda")
+    torch.library.opcheck(ops.attention_fwd, args)
+    out, lse = ops.attention_fwd(*args)
+    torch.library.opcheck(ops.attention_bwd, (inputs["grad_out"], None, q.detach(), k.detach(), v.detach(),
+                                              out.detach(), lse.detach(), mask, inputs["padding"], True,
+                                              0.2, "cuda"))
