@@ -100,24 +100,48 @@ def test_own_micro_kernel_meets_criterion(generator, small_blocks, monkeypatch, 
     run_and_check(generator, dtype, "blocks", LAYOUTS)
 
 
-@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
-def test_every_instruction_set_meets_criterion(capability):
-    """Each compiled copy of the kernels, forced with ATEN_CPU_CAPABILITY in a fresh process."""
-    if capability == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("this CPU has no AVX512")
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+ISA_FLAGS = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+             "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}}
+
+
+@pytest.mark.parametrize("isa", list(ISA_FLAGS))
+def test_every_instruction_set_meets_criterion(isa):
+    """Each compiled copy of the kernels, forced with FUSED_ATTN_CPU_ISA in a fresh process."""
+    if not ISA_FLAGS[isa] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run {isa}")
+    if isa.startswith("avx512") and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("ATen does not choose AVX512 here")
     script = (
         "import torch, tests.test_cpu as t\n"
-        "assert torch.backends.cpu.get_cpu_capability() == %r, torch.backends.cpu.get_cpu_capability()\n"
         "g = torch.Generator().manual_seed(1)\n"
         "for dtype in t.DTYPES:\n"
-        "    for feature in ('blocks', 'head_dims', 'gqa'):\n"
-        "        t.run_and_check(g, dtype, feature, t.LAYOUTS)\n" % capability.upper())
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, FUSED_ATTN_CPU_BLOCK_Q="16",
-               FUSED_ATTN_CPU_BLOCK_K="24")
+        "    for feature in ('blocks', 'head_dims', 'gqa', 'plain'):\n"
+        "        t.run_and_check(g, dtype, feature, t.LAYOUTS)\n")
+    env = dict(os.environ, FUSED_ATTN_CPU_ISA=isa, FUSED_ATTN_CPU_BLOCK_Q="16", FUSED_ATTN_CPU_BLOCK_K="24")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_aten_cpu_capability_is_honoured(monkeypatch):
+    """ATEN_CPU_CAPABILITY=default caps the kernels too: forcing avx2 above it is refused."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = ("import torch, fused_attn\n"
+              "q = torch.randn(1, 1, 4, 8)\n"
+              "torch.ops.fused_attn.flash_forward(q, q, q, None, None, False, 1.0, torch.empty_like(q))\n")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", FUSED_ATTN_CPU_ISA="avx2")
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode != 0 and "FUSED_ATTN_CPU_ISA" in result.stderr
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -7,10 +7,13 @@
 #include <ATen/Version.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flash_params.h"
 
@@ -157,15 +160,35 @@ void choose_tiling(Params& p, bool backward) {
   p.use_brgemm = !brgemm_off && p.dtype != Dtype::Float64;
 }
 
+// The kernels for the best instruction set of this CPU, as ATen judges it (at::get_cpu_capability()
+// honours ATEN_CPU_CAPABILITY), plus AVX512-BF16 where the CPU has it. FUSED_ATTN_CPU_ISA (default,
+// avx2, avx512, avx512_bf16) forces one, for tests; it must not exceed what the CPU runs.
 void run(const Params& p, bool backward) {
-  // at::get_cpu_capability() honours ATEN_CPU_CAPABILITY, as ATen's own kernels do.
-  const std::string capability = at::get_cpu_capability();
+  std::string isa = at::get_cpu_capability();
 #if defined(__x86_64__) || defined(_M_X64)
-  if (capability == "AVX512") {
+  const bool has_bf16 = isa == "AVX512" && __builtin_cpu_supports("avx512bf16");
+  if (has_bf16) isa = "AVX512_BF16";
+  if (const char* forced = std::getenv("FUSED_ATTN_CPU_ISA"); forced != nullptr && *forced != '\0') {
+    const std::string name = forced;
+    const std::vector<std::string> order = {"default", "avx2", "avx512", "avx512_bf16"};
+    std::string best = isa;
+    std::transform(best.begin(), best.end(), best.begin(), ::tolower);
+    const auto wanted = std::find(order.begin(), order.end(), name);
+    TORCH_CHECK(wanted != order.end() && wanted <= std::find(order.begin(), order.end(), best),
+                "FUSED_ATTN_CPU_ISA: expected one of default, avx2, avx512, avx512_bf16 up to ", best,
+                " on this CPU, got '", name, "'");
+    isa = name;
+    std::transform(isa.begin(), isa.end(), isa.begin(), ::toupper);
+  }
+  if (isa == "AVX512_BF16") {
+    backward ? AVX512_BF16::backward(p) : AVX512_BF16::forward(p);
+    return;
+  }
+  if (isa == "AVX512") {
     backward ? AVX512::backward(p) : AVX512::forward(p);
     return;
   }
-  if (capability == "AVX2") {
+  if (isa == "AVX2") {
     backward ? AVX2::backward(p) : AVX2::forward(p);
     return;
   }

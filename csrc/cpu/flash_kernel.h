@@ -364,6 +364,12 @@ acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
     sum0 = sum0 + e0;
     sum1 = sum1 + e1;
     if constexpr (kVnni<ct>) {
+#if defined(FUSED_ATTN_AVX512_BF16)
+      if constexpr (std::is_same_v<ct, c10::BFloat16>) {  // one instruction for 32 conversions
+        _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        continue;
+      }
+#endif
       at::vec::convert_from_float<ct>(e0, e1).store(out + j);
     } else if constexpr (std::is_same_v<ct, acc_t>) {
       e0.store(out + j);

@@ -1,7 +1,7 @@
 // The plain description of one forward or backward call that the CPU kernels receive.
 //
 // The kernels are compiled once per instruction set (kernel_default.cpp, kernel_isa_avx2.cpp,
-// kernel_isa_avx512.cpp) and chosen at run time, as ATen chooses its own CPU kernels. They see no
+// kernel_isa_avx512.cpp, kernel_isa_avx512_bf16.cpp) and chosen at run time, as ATen chooses its own CPU kernels. They see no
 // at::Tensor: attention_cpu.cpp checks every tensor and fills this struct with raw pointers and
 // element strides, so the per-instruction-set files stay small and free of Tensor code.
 #pragma once
@@ -53,5 +53,9 @@ namespace AVX512 {
 void forward(const Params& p);
 void backward(const Params& p);
 }  // namespace AVX512
+namespace AVX512_BF16 {
+void forward(const Params& p);
+void backward(const Params& p);
+}  // namespace AVX512_BF16
 
 }  // namespace fused_attn_cpu
