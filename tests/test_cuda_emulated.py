@@ -286,6 +286,23 @@ def test_emulated_glue_rejects_bad_backward_arguments(emulated):
         emulated.backward(q, q, q, None, None, False, 0.25, q, lse.float(), q, torch.zeros(1, 2, 7))
 
 
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
+def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
+    """Every kernel, forward and backward, with ThreadSanitizer (shared-memory races: a missing
+    __syncthreads) or AddressSanitizer + UBSan (out-of-bounds accesses, undefined behaviour)."""
+    import subprocess
+
+    build = _build_module()
+    if build.cuda_include_dir() is None:
+        pytest.skip("no cuda_fp16.h / cuda_bf16.h (neither a CUDA toolkit nor the triton wheel)")
+    binary = build.build_sanitized(sanitizer, tmp_path)
+    done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-8000:]
+    assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, done.stderr[-8000:]
+    assert done.stdout.count(": ok") == 3, done.stdout
+
+
 # ---- the backend's registration -------------------------------------------------------------------
 
 def test_backend_is_registered_after_triton():

@@ -63,3 +63,29 @@ def load():
         build_directory=str(build_directory),
         verbose=os.environ.get("FUSED_ATTN_VERBOSE_BUILD") == "1",
     )
+
+
+SANITIZERS = {
+    # A shared-memory race (a missing __syncthreads) is a data race between emulated threads.
+    "thread": ["-fsanitize=thread"],
+    # Reads and writes outside the tensors' memory; undefined behaviour.
+    "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],
+}
+
+
+def build_sanitized(sanitizer: str, directory: pathlib.Path) -> pathlib.Path:
+    """sanitized_run.cpp (every kernel, no torch) built with a sanitizer of SANITIZERS into `directory`."""
+    import subprocess
+
+    include = cuda_include_dir()
+    if include is None:
+        raise FileNotFoundError("no cuda_fp16.h/cuda_bf16.h found (CUDA toolkit or triton wheel)")
+    binary = directory / f"sanitized_run_{sanitizer.replace(',', '_')}"
+    command = [os.environ.get("CXX", "g++"), "-std=c++20", "-O1", "-g", "-pthread",
+               "-Wno-unknown-pragmas", *_nvcc_type_flags(), *SANITIZERS[sanitizer],
+               f"-I{HERE}", f"-I{KERNELS}", f"-I{include}", str(HERE / "sanitized_run.cpp"),
+               "-o", str(binary)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-6000:]}")
+    return binary
