@@ -104,7 +104,7 @@ def _representative_call(kernel, dtype_name, head_dim, causal):
         args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse)
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
-        return tk.KERNELS[kernel], args, constexprs, PREPROCESS_CONFIG.format(block_m=tk.PREPROCESS_BLOCK_M), None
+        return tk.KERNELS[kernel], args, constexprs, PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"]), None
     else:
         grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
         args, constexprs = tk.backward_args(kernel, q, k, v, None, None, causal, scale, grad_out, lse, delta,

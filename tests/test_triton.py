@@ -149,6 +149,7 @@ CASES = {
     "head_dim_3": Case(dim_qk=3, is_causal=True),
     "head_dim_40_dv_24": Case(dim_qk=40, dim_v=24),
     "dv_ne_dqk": Case(dim_qk=8, dim_v=20, heads_q=4, heads_kv=1),
+    "head_dims_200_160": Case(dim_qk=200, dim_v=160, len_q=36, len_k=28, batch=1, is_causal=True),
     "single_key_and_query": Case(len_q=1, len_k=1),
     "custom_scale": Case(scale=0.37, mask="additive", mask_shape="2d"),
     "hidden_rows": Case(hidden_rows=True, mask="bool", is_causal=True, key_padding=True),

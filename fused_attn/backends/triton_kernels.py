@@ -407,7 +407,13 @@ _DEFAULTS = {
     ("bwd_dq", "sm_80", 4): {64: _K(64, 16, 4, 2), 128: _K(64, 16, 4, 2), 256: _K(32, 16, 4, 1)},
     ("bwd_dq", "sm_90", 4): {64: _K(64, 32, 8, 2), 128: _K(64, 16, 4, 2), 256: _K(32, 16, 4, 1)},
 }
-PREPROCESS_BLOCK_M = 64
+
+
+def preprocess_block_m(dim_v: int) -> int:
+    """Rows per preprocess program: two (rows, D_v) tiles in fp32 stay within ~128 registers a thread."""
+    return 64 if padded_head_dim(dim_v) <= 128 else 32
+
+
 SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 
 
@@ -511,7 +517,7 @@ def preprocess_args(out, grad_out, grad_lse, delta):
     glse, glse_strides = (grad_lse, grad_lse.stride()) if grad_lse is not None else (delta, (0, 0, 0))
     args = (out, grad_out, glse, delta, *out.stride(), *grad_out.stride(), *glse_strides, heads_q, len_q)
     constexprs = dict(D_V=dim_v, BLOCK_DV=padded_head_dim(dim_v), HAS_GRAD_LSE=grad_lse is not None,
-                      BLOCK_M=PREPROCESS_BLOCK_M)
+                      BLOCK_M=preprocess_block_m(dim_v))
     return args, constexprs
 
 
@@ -670,7 +676,7 @@ def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, 
     heads_kv, len_k = key.shape[1], key.shape[2]
     delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
     args, constexprs = preprocess_args(out, grad_out, grad_lse, delta)
-    grid = (triton.cdiv(len_q, PREPROCESS_BLOCK_M) * batch * heads_q,)
+    grid = (triton.cdiv(len_q, constexprs["BLOCK_M"]) * batch * heads_q,)
     KERNELS["bwd_preprocess"][grid](*args, **constexprs, num_warps=4, num_stages=1)
 
     grad_query, grad_key, grad_value = (new_gradient(t) for t in (query, key, value))
