@@ -555,6 +555,14 @@ def test_cpu_tensors_refused_without_interpreter(monkeypatch):
     assert any("TRITON_INTERPRET" in reason for reason in BACKEND.refusals(problem))
 
 
+def test_cpu_tensors_refused_when_kernels_were_built_for_the_gpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(tk, "interpreting", lambda: False)
+    q, k, v = _small(device="cpu")
+    problem = fused_attn.problem.Problem.of(q, k, v, None, None, False, 0.0)
+    assert any("after the kernels were imported" in reason for reason in BACKEND.refusals(problem))
+
+
 def test_empty_problems():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 2, 4, 8, generator=g).to(DEVICE).requires_grad_()

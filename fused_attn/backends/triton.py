@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -21,6 +22,12 @@ MAX_HEAD_DIM = 256
 
 def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _kernels_built_for_gpu() -> bool:
+    """Whether the kernels were already imported as GPU kernels (TRITON_INTERPRET set too late)."""
+    module = sys.modules.get(f"{__package__}.triton_kernels")
+    return module is not None and not module.interpreting()
 
 
 def _kernels():
@@ -44,6 +51,8 @@ class TritonBackend(Backend):
         if device == "cpu":
             if not _interpret_requested():
                 reasons.append("CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1)")
+            elif _kernels_built_for_gpu():
+                reasons.append("TRITON_INTERPRET=1 was set after the kernels were imported for the GPU")
         elif device == "cuda":
             capability = torch.cuda.get_device_capability(problem.device)
             if capability < (7, 5):
