@@ -3,6 +3,8 @@
 Without a GPU (`emulated_cuda`): csrc/cuda is compiled with the host compiler against the emulation
 of the CUDA execution model in tests/emulation and run on CPU tensors; the host glue that checks the
 arguments and launches the kernels is the one the CUDA build uses (csrc/cuda/flash_dispatch.h).
+The same kernels also run, without torch, under ThreadSanitizer (a shared-memory race, i.e. a
+missing __syncthreads, is reported) and AddressSanitizer + UBSan (tests/emulation/sanitized_run.cpp).
 With a GPU (`cuda`): the same cases through `fused_attn.attention(..., backend="cuda")`.
 """
 
