@@ -241,6 +241,15 @@ def test_emulated_empty_queries_give_zero_key_grads(emulated, generator):
 
 
 @pytest.mark.emulated_cuda
+def test_emulated_empty_keys_give_zero_rows(emulated, generator):
+    case = Case("no_keys", len_q=20, len_k=0)
+    inputs = make_inputs(case, torch.float16, 0, generator)
+    result = run_emulated(emulated, inputs, case, 0.5)
+    assert torch.isneginf(result.lse).all() and (result.out == 0).all()
+    assert (result.grad_query == 0).all() and result.grad_key.shape == (2, 2, 0, 32)
+
+
+@pytest.mark.emulated_cuda
 @pytest.mark.parametrize("change, message", [
     (dict(key=torch.zeros(2, 2, 8, 16, dtype=torch.float16)), "key and value must have query's dtype"),
     (dict(query=torch.zeros(2, 2, 8, 16, dtype=torch.float64),
