@@ -152,7 +152,7 @@ void choose_tiling(Params& p, bool backward) {
   // Larger query blocks amortise the packing of each key block over more rows; the forward keeps
   // a (block_q × block_k) score block per thread in L2.
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
-  p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 128 : 256);
+  p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
   const char* brgemm = std::getenv("FUSED_ATTN_CPU_BRGEMM");
   const bool brgemm_off = brgemm != nullptr && std::string(brgemm) == "0";
   TORCH_CHECK(brgemm == nullptr || brgemm_off || std::string(brgemm) == "1" || *brgemm == '\0',
