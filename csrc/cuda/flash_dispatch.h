@@ -16,6 +16,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "flash_kernels.cuh"
 
