@@ -37,7 +37,7 @@ HEAD_DIMS = (64, 128)
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
 # Kernels whose work is matrix products; the preprocess is a row-wise reduction without any.
 MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
-PREPROCESS_CONFIG = "BLOCK_M={block_m},warps=4,stages=1"
+PREPROCESS_CONFIG = "BLOCK_M={block_m},warps={warps},stages=1"
 
 
 def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
@@ -104,7 +104,8 @@ def _representative_call(kernel, dtype_name, head_dim, causal):
         args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse)
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
-        return tk.KERNELS[kernel], args, constexprs, PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"]), None
+        config = PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"], warps=tk.PREPROCESS_WARPS)
+        return tk.KERNELS[kernel], args, constexprs, config, None
     else:
         grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
         args, constexprs = tk.backward_args(kernel, q, k, v, None, None, causal, scale, grad_out, lse, delta,
@@ -164,7 +165,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, config=None) -> d
     from fused_attn.backends import triton_kernels as tk
 
     fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal)
-    options = {"num_warps": 4, "num_stages": 1}
+    options = {"num_warps": tk.PREPROCESS_WARPS, "num_stages": 1}
     if config_text is None:
         if config is None:
             config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize)

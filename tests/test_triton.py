@@ -507,12 +507,11 @@ def test_bf16_conversion_without_remedy_truncates_in_the_interpreter(bf16_dot_re
     assert unpatched == 1.0
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Choice and refusals
 # ---------------------------------------------------------------------------------------------------
 
-def _small(dtype=torch.float32, device=DEVICE, **kwargs):
+def _small(dtype=torch.float32, device=DEVICE):
     g = torch.Generator().manual_seed(1)
     return [torch.randn(1, 2, 5, 8, generator=g).to(dtype).to(device) for _ in range(3)]
 
