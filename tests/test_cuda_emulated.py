@@ -309,6 +309,8 @@ def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
         pytest.skip("no cuda_fp16.h / cuda_bf16.h (neither a CUDA toolkit nor the triton wheel)")
     binary = build.build_sanitized(sanitizer, tmp_path)
     done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
+    if "unexpected memory mapping" in done.stderr:  # the sanitizer runtime vs this kernel's ASLR
+        pytest.skip(f"{sanitizer} sanitizer cannot start here: {done.stderr.strip()[:200]}")
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
     assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, done.stderr[-8000:]
     assert done.stdout.count(": ok") == 3, done.stdout
