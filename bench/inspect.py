@@ -1,0 +1,67 @@
+"""`python -m bench.inspect`: the static GPU report, made without a GPU.
+
+Compiles the Triton kernels (every default config, with Triton's compiler and an explicit target) and
+the CUDA kernels (every shipped template instance, with nvcc) for sm_80 and sm_90, and prints per
+kernel: registers, spill bytes, stack, shared memory, tensor-core instruction counts (HMMA/HGMMA) and
+whether it fits the device.
+
+    python -m bench.inspect            # table
+    python -m bench.inspect --json     # one JSON object per (backend, kernel, target, config)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import cuda_report, triton_report
+
+SOURCES = {"triton": triton_report.report, "cuda": cuda_report.report}
+
+
+def collect(backends=tuple(SOURCES)) -> tuple[list[dict], dict[str, str]]:
+    """(rows, {backend: why it could not be compiled}) for the requested backends."""
+    rows, missing = [], {}
+    for backend in backends:
+        try:
+            rows.extend(SOURCES[backend]())
+        except (OSError, RuntimeError) as error:  # a missing compiler or a failed build
+            missing[backend] = str(error)
+    return rows, missing
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("backend", "kernel", "target", "dtype", "D", "causal", "config", "regs", "spill B", "stack B",
+              "smem KiB", "tensor-core ops", "fits")
+    lines = [header]
+    for row in rows:
+        tensor_cores = " ".join(f"{name}:{count}" for name, count in
+                                sorted(row["tensor_core_instructions"].items())) or "-"
+        lines.append((row["backend"], row["kernel"], row["target"], str(row["dtype"]), str(row["head_dim"]),
+                      str(row["causal"]), row["config"], str(row["registers"]), str(row["spill_bytes"]),
+                      str(row["stack_bytes"]), f"{row['shared_bytes'] / 1024:.1f}", tensor_cores,
+                      "yes" if row["fits"] else "NO: " + "; ".join(row["problems"])))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+                     for line in lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.inspect", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--backends", nargs="+", choices=tuple(SOURCES), default=tuple(SOURCES))
+    args = parser.parse_args(argv)
+    rows, missing = collect(args.backends)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    else:
+        print(format_table(rows))
+    for backend, why in missing.items():
+        print(f"{backend}: not compiled: {why}", file=sys.stderr)
+    return 0 if rows and not missing and all(row["fits"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
