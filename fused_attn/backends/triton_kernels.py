@@ -413,6 +413,8 @@ _DEFAULTS = {
 # fp32 at every head dim on sm_80 and sm_90 (64 rows with 4 warps spilled for fp32 on sm_90).
 PREPROCESS_BLOCK_M = 32
 PREPROCESS_WARPS = 8
+# Shared memory per block, opt-in maximum: A100 (sm_80) and H100 (sm_90).
+SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 
 
 def padded_head_dim(head_dim: int) -> int:
