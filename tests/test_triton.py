@@ -243,7 +243,9 @@ def make_inputs(case: Case, dtype, rotation: int, generator) -> Inputs:
         padding = padding.to(DEVICE)
     grad_lse = None
     if case.lse_grad:
-        grad_lse = torch.randn(case.batch, case.heads_q, case.len_q, generator=generator).to(DEVICE)
+        # Its own layout too: (B, L_q, H_q) storage viewed as (B, H_q, L_q).
+        grad_lse = torch.randn(case.batch, case.len_q, case.heads_q, generator=generator).to(DEVICE)
+        grad_lse = grad_lse.permute(0, 2, 1)
     return Inputs(query, key, value, grad_out, grad_lse, mask, padding)
 
 
