@@ -75,6 +75,8 @@ def run_and_check(generator, dtype, feature, layouts):
     grads = flash_backward(q, k, v, mask, padding, causal, scale, out, lse, grad_out)
     for grad, tensor in zip(grads, (q, k, v)):
         assert grad.shape == tensor.shape and grad.dtype == tensor.dtype
+        # The fake kernel promises empty_like's layout (torch.compile relies on it).
+        assert grad.stride() == torch.empty_like(tensor).stride()
     testing.check_against_reference(testing.Results(out, lse, *grads), q, k, v, grad_out,
                                     attn_mask=mask, key_padding_mask=padding, is_causal=causal,
                                     scale=scale)

@@ -235,9 +235,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
   // NaN until written: an element the kernel missed shows in every test instead of stale memory
   // (one pass over O(L·D) memory, negligible next to the O(L²·D) kernel).
   const double unwritten = std::numeric_limits<double>::quiet_NaN();
-  at::Tensor grad_query = at::full_like(query, unwritten, at::MemoryFormat::Contiguous);
-  at::Tensor grad_key = at::full_like(key, unwritten, at::MemoryFormat::Contiguous);
-  at::Tensor grad_value = at::full_like(value, unwritten, at::MemoryFormat::Contiguous);
+  // Laid out like the inputs where they are dense (empty_like's rule, which the fake kernel in
+  // fused_attn/ops.py follows too), contiguous otherwise.
+  at::Tensor grad_query = at::full_like(query, unwritten);
+  at::Tensor grad_key = at::full_like(key, unwritten);
+  at::Tensor grad_value = at::full_like(value, unwritten);
   at::Tensor delta = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(stat_dtype));
   p.grad_query = view_of(grad_query);
   p.grad_key = view_of(grad_key);
