@@ -156,3 +156,204 @@ def check_against_reference(actual: Results, query, key, value, grad_out=None, *
     exact = reference_results(query, key, value, grad_out, dtype=torch.float64, **options)
     same_dtype = reference_results(query, key, value, grad_out, **options)
     return assert_close_to_reference(actual, exact, same_dtype, query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Random problems: one builder for the tests of every backend and for the benchmark's check
+# ---------------------------------------------------------------------------------------------------
+
+# The mask shapes a user may pass, each broadcastable to (B, H_q, L_q, L_k).
+MASK_SHAPES = {
+    "full": lambda b, h, q, k: (b, h, q, k),
+    "2d": lambda b, h, q, k: (q, k),
+    "batch": lambda b, h, q, k: (b, 1, q, k),
+    "heads_keys": lambda b, h, q, k: (1, h, 1, k),
+    "keys": lambda b, h, q, k: (b, 1, 1, k),
+}
+MASK_LAYOUTS = ("contiguous", "transposed", "sliced")
+# The tensors a rotation of LAYOUTS lays out, in order.
+LAID_OUT = ("query", "key", "value", "out", "grad_out")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """The shape and features of a random attention problem (the values are drawn by `random_inputs`)."""
+
+    batch: int = 2
+    heads_q: int = 2
+    heads_kv: int = 2
+    len_q: int = 40
+    len_k: int = 40
+    dim_qk: int = 16
+    dim_v: int | None = None         # None: dim_qk
+    is_causal: bool = False
+    mask: str | None = None          # "bool" or "additive"
+    mask_shape: str = "full"         # a key of MASK_SHAPES
+    mask_layout: str = "contiguous"  # one of MASK_LAYOUTS
+    key_padding: bool = False
+    scale: float | None = None       # None: 1/sqrt(dim_qk)
+    hidden_rows: bool = False        # some rows see no key at all
+    lse_grad: bool = False           # a gradient flows into the returned log-sum-exp
+
+    @property
+    def value_dim(self) -> int:
+        return self.dim_v or self.dim_qk
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.dim_qk ** -0.5 if self.scale is None else self.scale
+
+
+def rotated_layouts(rotation: int) -> dict[str, str]:
+    """{tensor name: layout}: the five tensors of LAID_OUT get five different LAYOUTS; across the five
+    rotations every tensor sees every layout."""
+    return {name: LAYOUTS[(rotation + i) % len(LAYOUTS)] for i, name in enumerate(LAID_OUT)}
+
+
+def laid_out_mask(values: torch.Tensor, layout: str, generator=None) -> torch.Tensor:
+    """`values` in its own storage: as is ("contiguous"), its last two dims transposed in memory
+    ("transposed"), or every other element of a wider tensor of garbage ("sliced")."""
+    if layout == "contiguous":
+        return values.clone()
+    if layout == "transposed":
+        return values.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout == "sliced":
+        shape = (*values.shape[:-1], 2 * values.shape[-1] + 1)
+        if values.dtype == torch.bool:
+            storage = (torch.rand(shape, generator=generator) < 0.5).to(values.device)
+        else:
+            storage = torch.full(shape, float("nan"), dtype=values.dtype, device=values.device)
+        view = storage[..., 1::2]
+        view.copy_(values)
+        return view
+    raise ValueError(f"layout: expected one of {MASK_LAYOUTS}, got {layout!r}")
+
+
+def hide_rows(mask: torch.Tensor, len_q: int, len_k: int, generator=None) -> torch.Tensor:
+    """`mask` widened to a query dim, with every key hidden from query row 0 and about one row in three."""
+    full = mask.expand(*mask.shape[:-2], len_q, len_k).clone()
+    rows = torch.rand(len_q, generator=generator) < 0.33
+    if len_q:
+        rows[0] = True
+    full[..., rows.to(full.device), :] = False if mask.dtype == torch.bool else float("-inf")
+    return full
+
+
+def poisoned_output(query: torch.Tensor, dim_v: int, layout: str) -> torch.Tensor:
+    """An output tensor (B, H_q, L_q, D_v) in `layout`, every element NaN (unused storage too)."""
+    values = torch.full((*query.shape[:3], dim_v), float("nan"), dtype=query.dtype, device=query.device)
+    return strided(values, layout)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """A random problem: every tensor in its own layout, `out` NaN-poisoned, masks as a user gives them."""
+
+    case: Case
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    grad_lse: torch.Tensor | None
+    attn_mask: torch.Tensor | None        # broadcastable to (B, H_q, L_q, L_k)
+    key_padding_mask: torch.Tensor | None  # (B, L_k), True = ignore
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    def mask_view(self) -> torch.Tensor | None:
+        """The mask as every backend receives it: (B, H_q, L_q, L_k), stride 0 where broadcast."""
+        if self.attn_mask is None:
+            return None
+        b, h, q = self.query.shape[:3]
+        return self.attn_mask.expand(b, h, q, self.key.shape[2])
+
+
+def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, device="cpu") -> Inputs:
+    """Fresh random inputs for `case` on `device`: q, k, v, out and grad_out laid out by
+    `rotated_layouts(rotation)`, the mask in `case.mask_layout`, the key padding and grad_lse strided."""
+    layouts = rotated_layouts(rotation)
+
+    def tensor(name, heads, length, dim):
+        values = torch.randn(case.batch, heads, length, dim, generator=generator).to(dtype).to(device)
+        return strided(values, layouts[name])
+
+    query = tensor("query", case.heads_q, case.len_q, case.dim_qk)
+    key = tensor("key", case.heads_kv, case.len_k, case.dim_qk)
+    value = tensor("value", case.heads_kv, case.len_k, case.value_dim)
+    grad_out = tensor("grad_out", case.heads_q, case.len_q, case.value_dim)
+    out = poisoned_output(query, case.value_dim, layouts["out"])
+    mask = None
+    if case.mask is not None:
+        shape = MASK_SHAPES[case.mask_shape](case.batch, case.heads_q, case.len_q, case.len_k)
+        values = random_mask(shape, case.mask, dtype, generator=generator)
+        if case.hidden_rows:
+            values = hide_rows(values, case.len_q, case.len_k, generator)
+        mask = laid_out_mask(values.to(device), case.mask_layout, generator)
+    padding = None
+    if case.key_padding:
+        # Every other column of (L_k, 2B) storage, transposed: (B, L_k) with no unit stride.
+        hidden = torch.rand(case.len_k, 2 * case.batch, generator=generator) < 0.25
+        if case.hidden_rows:
+            hidden[:, 0] = True  # the whole first batch sees no key
+        padding = hidden.to(device)[:, ::2].t()
+    grad_lse = None
+    if case.lse_grad:  # (B, L_q, H_q) storage viewed as (B, H_q, L_q)
+        grad_lse = torch.randn(case.batch, case.len_q, case.heads_q, generator=generator).to(device)
+        grad_lse = grad_lse.permute(0, 2, 1)
+    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding)
+
+
+def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
+    """The einsum reference of `inputs` on the CPU in `dtype`, differentiated through the output and,
+    where the case has one, through the log-sum-exp (by grad_lse)."""
+    def prepared(tensor):
+        return tensor.detach().to("cpu", dtype).requires_grad_()
+
+    q, k, v = (prepared(t) for t in (inputs.query, inputs.key, inputs.value))
+    mask = inputs.mask_view()
+    if mask is not None:
+        mask = mask.cpu() if mask.dtype == torch.bool else mask.cpu().to(dtype)
+    padding = None if inputs.key_padding_mask is None else inputs.key_padding_mask.cpu()
+    out, lse = reference.attention(q, k, v, mask, padding, inputs.case.is_causal, inputs.case.scale)
+    outputs, grads_in = [out], [inputs.grad_out.detach().to("cpu", dtype)]
+    if inputs.grad_lse is not None:
+        outputs.append(lse)
+        grads_in.append(inputs.grad_lse.detach().to("cpu", lse.dtype))
+    grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
+    return Results(out.detach(), lse.detach(), *grads)
+
+
+def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, float]]:
+    """`assert_close_to_reference` of a backend's results on `inputs` (grad_lse included); for a case
+    with hidden rows also: there are such rows, and they have output 0, lse -inf and dq 0."""
+    report = assert_close_to_reference(actual, reference_for(inputs, torch.float64),
+                                       reference_for(inputs, inputs.dtype), inputs.dtype)
+    if inputs.case.hidden_rows:
+        hidden = torch.isinf(actual.lse.detach().cpu())
+        assert hidden.any(), "the case was meant to have rows that see no key"
+        assert (actual.lse.detach().cpu()[hidden] == float("-inf")).all()
+        assert (actual.out.detach().cpu()[hidden] == 0).all()
+        if actual.grad_query is not None:
+            assert (actual.grad_query.detach().cpu()[hidden] == 0).all()
+    return report
+
+
+def run_attention(inputs: Inputs, backend: str) -> Results:
+    """`fused_attn.attention(..., backend=backend)` on `inputs` with autograd: output, lse and the
+    gradients of q, k, v by grad_out (and grad_lse where the case has one)."""
+    from .functional import attention
+
+    case = inputs.case
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    out, lse = attention(q, k, v, attn_mask=inputs.attn_mask, is_causal=case.is_causal, scale=case.scale,
+                         enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=inputs.key_padding_mask,
+                         return_lse=True, backend=backend)
+    outputs, grads_in = [out], [inputs.grad_out]
+    if inputs.grad_lse is not None:
+        outputs.append(lse)
+        grads_in.append(inputs.grad_lse)
+    grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
+    return Results(out.detach(), lse.detach(), *grads)

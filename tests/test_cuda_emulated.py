@@ -10,9 +10,7 @@ With a GPU (`cuda`): the same cases through `fused_attn.attention(..., backend="
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import math
 import pathlib
 
 import pytest
@@ -20,7 +18,7 @@ import torch
 
 import fused_attn
 from fused_attn import testing
-from fused_attn.backends import reference, registry
+from fused_attn.backends import registry
 
 BUILD = pathlib.Path(__file__).resolve().parent / "emulation" / "build.py"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,208 +41,102 @@ def emulated():
     return build.load()
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    batch: int = 2
-    heads_q: int = 2
-    heads_kv: int = 2
-    len_q: int = 40
-    len_k: int = 40
-    dim_qk: int = 32
-    dim_v: int = 32
-    causal: bool = False
-    mask: tuple | None = None  # (kind, shape broadcastable to (B, H_q, L_q, L_k)); shape None = full
-    padding: bool = False
-    grad_lse: bool = False
-    hidden_rows: bool = False  # some rows see no key at all
-
-    def __str__(self):
-        return self.name
-
-
-CASES = [
-    Case("plain", len_q=40, len_k=40, dim_qk=32, dim_v=32),
-    Case("causal_lq_gt_lk", len_q=70, len_k=45, dim_qk=40, dim_v=40, causal=True),
-    Case("causal_lq_lt_lk", len_q=33, len_k=80, dim_qk=16, dim_v=16, causal=True, grad_lse=True),
-    Case("bool_mask_padding", len_q=50, len_k=37, dim_qk=24, dim_v=24, mask=("bool", "q_k"), padding=True),
-    Case("additive_mask_causal", len_q=45, len_k=45, dim_qk=64, dim_v=64, causal=True,
-         mask=("additive", "b_1_q_k")),
-    Case("gqa_dims_differ", heads_q=4, heads_kv=2, len_q=36, len_k=52, dim_qk=24, dim_v=40,
-         mask=("bool", "1_h_1_k"), grad_lse=True),
-    Case("hidden_rows", len_q=30, len_k=26, dim_qk=20, dim_v=20, mask=("bool", "full"), padding=True,
-         hidden_rows=True),
-    Case("hidden_rows_additive", heads_q=4, heads_kv=1, len_q=19, len_k=70, dim_qk=8, dim_v=8,
-         mask=("additive", "b_1_q_k"), padding=True, hidden_rows=True, causal=True),
-]
-LARGE_HEAD_CASES = [
-    Case("head_128", batch=1, heads_q=2, heads_kv=1, len_q=24, len_k=33, dim_qk=100, dim_v=72,
-         causal=True, padding=True),
-    Case("head_256", batch=1, heads_q=1, heads_kv=1, len_q=20, len_k=35, dim_qk=200, dim_v=160,
-         mask=("additive", "q_k"), grad_lse=True),
-]
+Case = testing.Case
+# Masks are stored column-major (mask_layout="transposed"): a layout the tensors never get.
+CASES = {
+    "plain": Case(len_q=40, len_k=40, dim_qk=32),
+    "causal_lq_gt_lk": Case(len_q=70, len_k=45, dim_qk=40, is_causal=True),
+    "causal_lq_lt_lk": Case(len_q=33, len_k=80, dim_qk=16, is_causal=True, lse_grad=True),
+    "bool_mask_padding": Case(len_q=50, len_k=37, dim_qk=24, mask="bool", mask_shape="2d",
+                              mask_layout="transposed", key_padding=True),
+    "additive_mask_causal": Case(len_q=45, len_k=45, dim_qk=64, is_causal=True, mask="additive",
+                                 mask_shape="batch", mask_layout="transposed"),
+    "gqa_dims_differ": Case(heads_q=4, heads_kv=2, len_q=36, len_k=52, dim_qk=24, dim_v=40, mask="bool",
+                            mask_shape="heads_keys", mask_layout="transposed", lse_grad=True),
+    "hidden_rows": Case(len_q=30, len_k=26, dim_qk=20, mask="bool", mask_layout="transposed",
+                        key_padding=True, hidden_rows=True),
+    "hidden_rows_additive": Case(heads_q=4, heads_kv=1, len_q=19, len_k=70, dim_qk=8, mask="additive",
+                                 mask_shape="batch", mask_layout="transposed", key_padding=True,
+                                 hidden_rows=True, is_causal=True),
+}
+# Not the default scale: the kernels must take the scale they are given.
+LARGE_HEAD_CASES = {
+    "head_128": Case(batch=1, heads_q=2, heads_kv=1, len_q=24, len_k=33, dim_qk=100, dim_v=72,
+                     is_causal=True, key_padding=True, scale=0.3),
+    "head_256": Case(batch=1, heads_q=1, heads_kv=1, len_q=20, len_k=35, dim_qk=200, dim_v=160,
+                     mask="additive", mask_shape="2d", mask_layout="transposed", lse_grad=True, scale=0.3),
+}
+# Rotations of the tensor layouts: two by default, the other three marked slow.
+ROTATIONS = [rotation if rotation in (0, 2) else pytest.param(rotation, marks=pytest.mark.slow)
+             for rotation in range(len(LAYOUTS))]
 
 
-def _mask_shape(spec: str, case: Case):
-    b, h, lq, lk = case.batch, case.heads_q, case.len_q, case.len_k
-    return {"q_k": (lq, lk), "b_1_q_k": (b, 1, lq, lk), "1_h_1_k": (1, h, 1, lk),
-            "full": (b, h, lq, lk)}[spec]
-
-
-def _column_major(tensor: torch.Tensor) -> torch.Tensor:
-    """Same values, the last two dimensions stored transposed: a layout no one else uses."""
-    if tensor.dim() < 2:
-        return tensor
-    return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
-def make_inputs(case: Case, dtype, shift: int, generator, device="cpu"):
-    """Fresh random inputs on `device`, each tensor in its own layout, the output NaN-poisoned."""
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator).to(device, dtype)
-
-    b, hq, hk, lq, lk = case.batch, case.heads_q, case.heads_kv, case.len_q, case.len_k
-    layout = [LAYOUTS[(shift + i) % len(LAYOUTS)] for i in range(5)]
-    query = testing.strided(randn(b, hq, lq, case.dim_qk), layout[0])
-    key = testing.strided(randn(b, hk, lk, case.dim_qk), layout[1])
-    value = testing.strided(randn(b, hk, lk, case.dim_v), layout[2])
-    poison = torch.full((b, hq, lq, case.dim_v), math.nan, dtype=dtype, device=device)
-    out = testing.strided(poison, layout[3])
-    grad_out = testing.strided(randn(b, hq, lq, case.dim_v), layout[4])
-    mask = None
-    if case.mask is not None:
-        kind, spec = case.mask
-        mask = testing.random_mask(_mask_shape(spec, case), kind, dtype, generator=generator)
-        if case.hidden_rows:  # the first query row of every head sees nothing
-            mask[..., 0, :] = False if kind == "bool" else -math.inf
-        mask = _column_major(mask.to(device))
-    padding = None
-    if case.padding:
-        hidden = torch.rand(lk, 2 * b, generator=generator) < 0.2
-        if case.hidden_rows:
-            hidden[:, 2 * (b - 1)] = True  # the last batch sees no key at all
-        padding = hidden.to(device)[:, ::2].t()  # (B, L_k), not contiguous
-    grad_lse = None
-    if case.grad_lse:
-        grad_lse = _column_major(torch.randn(b, hq, lq, generator=generator).to(device))
-    return dict(query=query, key=key, value=value, out=out, grad_out=grad_out, mask=mask,
-                padding=padding, grad_lse=grad_lse)
-
-
-def full_mask(mask, query, key):
-    """The mask as the backends receive it: (B, H_q, L_q, L_k), stride 0 where it broadcasts."""
-    if mask is None:
-        return None
-    return mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-
-
-def reference_results(inputs, case: Case, dtype, scale) -> testing.Results:
-    """Forward and backward (including the gradient through the log-sum-exp) of the einsum oracle."""
-    def cast(t):
-        return None if t is None else t.detach().cpu().to(dtype)
-
-    q, k, v, grad_out = (cast(inputs[n]) for n in ("query", "key", "value", "grad_out"))
-    mask = inputs["mask"]
-    if mask is not None:
-        mask = mask.cpu() if mask.dtype == torch.bool else cast(mask)
-        mask = full_mask(mask, q, k)
-    padding = None if inputs["padding"] is None else inputs["padding"].cpu()
-    grad_lse = None if inputs["grad_lse"] is None else inputs["grad_lse"].detach().cpu()
-    out, lse = reference.attention(q, k, v, mask, padding, case.causal, scale)
-    if grad_lse is not None:
-        grad_lse = grad_lse.to(lse.dtype)
-    grads = reference.ReferenceBackend().backward(q, k, v, mask, padding, case.causal, scale, out, lse,
-                                                  grad_out, grad_lse)
-    return testing.Results(out, lse, *grads)
-
-
-def check(actual: testing.Results, inputs, case: Case, dtype, scale):
-    exact = reference_results(inputs, case, torch.float64, scale)
-    same_dtype = reference_results(inputs, case, dtype, scale)
-    testing.assert_close_to_reference(actual, exact, same_dtype, dtype)
-    if case.hidden_rows:  # rows that see no key: output 0, lse -inf, never NaN
-        assert torch.isneginf(actual.lse[-1]).all() and (actual.out[-1] == 0).all()
-        assert (actual.grad_query[-1] == 0).all()
-
-
-def run_emulated(module, inputs, case: Case, scale):
-    q, k, v = inputs["query"], inputs["key"], inputs["value"]
-    mask = full_mask(inputs["mask"], q, k)
-    out = inputs["out"]
-    lse = module.forward(q, k, v, mask, inputs["padding"], case.causal, scale, out)
-    grads = module.backward(q, k, v, mask, inputs["padding"], case.causal, scale, out, lse,
-                            inputs["grad_out"], inputs["grad_lse"])
+def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
+    """Forward and backward through the emulated host glue, into the inputs' NaN-poisoned output."""
+    case = inputs.case
+    q, k, v, out = inputs.query, inputs.key, inputs.value, inputs.out
+    mask, padding = inputs.mask_view(), inputs.key_padding_mask
+    lse = module.forward(q, k, v, mask, padding, case.is_causal, case.softmax_scale, out)
+    grads = module.backward(q, k, v, mask, padding, case.is_causal, case.softmax_scale, out, lse,
+                            inputs.grad_out, inputs.grad_lse)
     return testing.Results(out, lse, *grads)
 
 
 # ---- emulated on the CPU ---------------------------------------------------------------------------
 
 @pytest.mark.emulated_cuda
-@pytest.mark.parametrize("shift", [0, 2])
+@pytest.mark.parametrize("rotation", ROTATIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_emulated_matches_reference(emulated, case, dtype, shift, generator):
-    inputs = make_inputs(case, dtype, shift, generator)
-    scale = case.dim_qk ** -0.5
-    check(run_emulated(emulated, inputs, case, scale), inputs, case, dtype, scale)
-
-
-@pytest.mark.emulated_cuda
-@pytest.mark.slow
-@pytest.mark.parametrize("shift", [1, 3, 4])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_emulated_matches_reference_other_layouts(emulated, case, dtype, shift, generator):
-    inputs = make_inputs(case, dtype, shift, generator)
-    scale = case.dim_qk ** -0.5
-    check(run_emulated(emulated, inputs, case, scale), inputs, case, dtype, scale)
+@pytest.mark.parametrize("name", list(CASES))
+def test_emulated_matches_reference(emulated, name, dtype, rotation, generator):
+    inputs = testing.random_inputs(CASES[name], dtype, rotation, generator)
+    testing.check_inputs(run_emulated(emulated, inputs), inputs)
 
 
 @pytest.mark.emulated_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", LARGE_HEAD_CASES, ids=str)
-def test_emulated_large_head_dims(emulated, case, dtype, generator):
-    inputs = make_inputs(case, dtype, 1, generator)
-    scale = 0.3  # not the default: the kernels must take the scale they are given
-    check(run_emulated(emulated, inputs, case, scale), inputs, case, dtype, scale)
+@pytest.mark.parametrize("name", list(LARGE_HEAD_CASES))
+def test_emulated_large_head_dims(emulated, name, dtype, generator):
+    inputs = testing.random_inputs(LARGE_HEAD_CASES[name], dtype, 1, generator)
+    testing.check_inputs(run_emulated(emulated, inputs), inputs)
 
 
 @pytest.mark.emulated_cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_emulated_many_tiles(emulated, dtype, generator):
-    case = Case("many_tiles", batch=1, heads_q=2, heads_kv=1, len_q=200, len_k=170, dim_qk=64,
-                dim_v=64, causal=True, mask=("bool", "q_k"), padding=True, grad_lse=True)
-    inputs = make_inputs(case, dtype, 3, generator)
-    check(run_emulated(emulated, inputs, case, 0.125), inputs, case, dtype, 0.125)
+    case = Case(batch=1, heads_q=2, heads_kv=1, len_q=200, len_k=170, dim_qk=64, is_causal=True, mask="bool",
+                mask_shape="2d", mask_layout="transposed", key_padding=True, lse_grad=True, scale=0.125)
+    inputs = testing.random_inputs(case, dtype, 3, generator)
+    testing.check_inputs(run_emulated(emulated, inputs), inputs)
 
 
 @pytest.mark.emulated_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_emulated_backward_is_deterministic(emulated, dtype, generator):
-    case = Case("gqa_causal", heads_q=4, heads_kv=1, len_q=70, len_k=70, dim_qk=32, dim_v=32,
-                causal=True, grad_lse=True)
-    inputs = make_inputs(case, dtype, 4, generator)
-    first = run_emulated(emulated, inputs, case, 0.2)
-    second = run_emulated(emulated, inputs, case, 0.2)
+    case = Case(heads_q=4, heads_kv=1, len_q=70, len_k=70, dim_qk=32, is_causal=True, lse_grad=True,
+                scale=0.2)
+    inputs = testing.random_inputs(case, dtype, 4, generator)
+    first = run_emulated(emulated, inputs)
+    second = run_emulated(emulated, inputs)
     for name in ("out", "lse", "grad_query", "grad_key", "grad_value"):
         assert torch.equal(getattr(first, name), getattr(second, name)), name
 
 
 @pytest.mark.emulated_cuda
 def test_emulated_empty_queries_give_zero_key_grads(emulated, generator):
-    case = Case("no_queries", len_q=0, len_k=20)
-    inputs = make_inputs(case, torch.float32, 0, generator)
-    result = run_emulated(emulated, inputs, case, 0.5)
+    case = Case(len_q=0, len_k=20, dim_qk=32, scale=0.5)
+    inputs = testing.random_inputs(case, torch.float32, 0, generator)
+    result = run_emulated(emulated, inputs)
     assert result.lse.shape == (2, 2, 0)
     assert (result.grad_key == 0).all() and (result.grad_value == 0).all()
 
 
 @pytest.mark.emulated_cuda
 def test_emulated_empty_keys_give_zero_rows(emulated, generator):
-    case = Case("no_keys", len_q=20, len_k=0)
-    inputs = make_inputs(case, torch.float16, 0, generator)
-    result = run_emulated(emulated, inputs, case, 0.5)
+    case = Case(len_q=20, len_k=0, dim_qk=32, scale=0.5)
+    inputs = testing.random_inputs(case, torch.float16, 0, generator)
+    result = run_emulated(emulated, inputs)
     assert torch.isneginf(result.lse).all() and (result.out == 0).all()
     assert (result.grad_query == 0).all() and result.grad_key.shape == (2, 2, 0, 32)
 
@@ -352,36 +244,22 @@ def test_backend_refusals_name_each_reason():
 
 # ---- on a CUDA device -----------------------------------------------------------------------------
 
-def run_on_gpu(inputs, case: Case, scale):
-    q, k, v = (inputs[n].detach().requires_grad_() for n in ("query", "key", "value"))
-    out, lse = fused_attn.attention(q, k, v, attn_mask=inputs["mask"], is_causal=case.causal,
-                                    scale=scale, enable_gqa=case.heads_q != case.heads_kv,
-                                    key_padding_mask=inputs["padding"], return_lse=True, backend="cuda")
-    outputs, grads_in = [out], [inputs["grad_out"]]
-    if inputs["grad_lse"] is not None:
-        outputs.append(lse)
-        grads_in.append(inputs["grad_lse"])
-    grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
-    return testing.Results(out.detach().cpu(), lse.detach().cpu(), *(g.cpu() for g in grads))
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("shift", range(len(LAYOUTS)))
+@pytest.mark.parametrize("rotation", range(len(LAYOUTS)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES + LARGE_HEAD_CASES, ids=str)
-def test_cuda_matches_reference(case, dtype, shift, generator):
-    inputs = make_inputs(case, dtype, shift, generator, device="cuda")
-    scale = case.dim_qk ** -0.5
-    check(run_on_gpu(inputs, case, scale), inputs, case, dtype, scale)
+@pytest.mark.parametrize("name", [*CASES, *LARGE_HEAD_CASES])
+def test_cuda_matches_reference(name, dtype, rotation, generator):
+    inputs = testing.random_inputs({**CASES, **LARGE_HEAD_CASES}[name], dtype, rotation, generator, "cuda")
+    testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_backward_is_deterministic(dtype, generator):
-    case = Case("gqa_causal", heads_q=4, heads_kv=1, len_q=300, len_k=300, dim_qk=64, dim_v=64,
-                causal=True, grad_lse=True)
-    inputs = make_inputs(case, dtype, 4, generator, device="cuda")
-    first, second = run_on_gpu(inputs, case, 0.2), run_on_gpu(inputs, case, 0.2)
+    case = Case(heads_q=4, heads_kv=1, len_q=300, len_k=300, dim_qk=64, is_causal=True, lse_grad=True,
+                scale=0.2)
+    inputs = testing.random_inputs(case, dtype, 4, generator, "cuda")
+    first, second = testing.run_attention(inputs, "cuda"), testing.run_attention(inputs, "cuda")
     for name in ("grad_query", "grad_key", "grad_value"):
         assert torch.equal(getattr(first, name), getattr(second, name)), name
 
@@ -431,14 +309,14 @@ def test_emulated_shared_memory_starts_as_nan(emulated):
 def test_cuda_ops_pass_opcheck(generator):
     from fused_attn import ops
 
-    case = Case("opcheck", heads_q=4, heads_kv=2, len_q=24, len_k=40, dim_qk=32, dim_v=16,
-                causal=True, mask=("bool", "b_1_q_k"), padding=True)
-    inputs = make_inputs(case, torch.float16, 1, generator, device="cuda")
-    q, k, v = (inputs[n].requires_grad_() for n in ("query", "key", "value"))
-    mask = full_mask(inputs["mask"], q, k)
-    args = (q, k, v, mask, inputs["padding"], True, 0.2, False, "cuda")
+    case = Case(heads_q=4, heads_kv=2, len_q=24, len_k=40, dim_qk=32, dim_v=16, is_causal=True, mask="bool",
+                mask_shape="batch", mask_layout="transposed", key_padding=True)
+    inputs = testing.random_inputs(case, torch.float16, 1, generator, "cuda")
+    q, k, v = (t.requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    mask = inputs.mask_view()
+    args = (q, k, v, mask, inputs.key_padding_mask, True, 0.2, False, "cuda")
     torch.library.opcheck(ops.attention_fwd, args)
     out, lse = ops.attention_fwd(*args)
-    torch.library.opcheck(ops.attention_bwd, (inputs["grad_out"], None, q.detach(), k.detach(), v.detach(),
-                                              out.detach(), lse.detach(), mask, inputs["padding"], True,
+    torch.library.opcheck(ops.attention_bwd, (inputs.grad_out, None, q.detach(), k.detach(), v.detach(),
+                                              out.detach(), lse.detach(), mask, inputs.key_padding_mask, True,
                                               0.2, "cuda"))
