@@ -16,15 +16,13 @@ kernel source stays exactly what the GPU compiles.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
 import fused_attn
 from fused_attn import testing
-from fused_attn.backends import reference, registry
+from fused_attn.backends import registry
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -37,6 +35,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPE_IDS = ("fp16", "bf16", "fp32")
 BACKEND = TritonBackend()
+Case = testing.Case
 
 if not HAS_CUDA and not tk.interpreting():
     pytest.skip("no CUDA device and the triton kernels were not built for the interpreter",
@@ -109,25 +108,6 @@ def nan_gradients(monkeypatch):
 # Problems
 # ---------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    batch: int = 2
-    heads_q: int = 2
-    heads_kv: int = 2
-    len_q: int = 40
-    len_k: int = 40
-    dim_qk: int = 16
-    dim_v: int | None = None
-    is_causal: bool = False
-    mask: str | None = None          # "bool" or "additive"
-    mask_shape: str = "full"         # "full", "2d", "batch", "heads_keys", "keys"
-    mask_layout: str = "contiguous"  # "contiguous", "transposed", "sliced"
-    key_padding: bool = False
-    scale: float | None = None
-    hidden_rows: bool = False        # some rows see no key at all
-    lse_grad: bool = False           # a gradient flows into the returned log-sum-exp
-
-
 CASES = {
     "plain": Case(),
     "causal": Case(is_causal=True),
@@ -165,147 +145,27 @@ ROTATIONS = [rotation if rotation < 3 else pytest.param(rotation, marks=pytest.m
              for rotation in range(len(testing.LAYOUTS))]
 
 
-def _layouts(rotation: int) -> dict[str, str]:
-    names = ("query", "key", "value", "out", "grad_out")
-    layouts = testing.LAYOUTS
-    return {name: layouts[(rotation + i) % len(layouts)] for i, name in enumerate(names)}
-
-
-MASK_SHAPES = {
-    "full": lambda b, h, q, k: (b, h, q, k),
-    "2d": lambda b, h, q, k: (q, k),
-    "batch": lambda b, h, q, k: (b, 1, q, k),
-    "heads_keys": lambda b, h, q, k: (1, h, 1, k),
-    "keys": lambda b, h, q, k: (b, 1, 1, k),
-}
-
-
-def _laid_out_mask(values: torch.Tensor, layout: str, generator) -> torch.Tensor:
-    """`values` in its own storage: as is, transposed in memory, or a strided slice of garbage."""
-    if layout == "contiguous":
-        return values.clone()
-    if layout == "transposed":
-        return values.transpose(-1, -2).contiguous().transpose(-1, -2)
-    if layout == "sliced":
-        shape = (*values.shape[:-1], 2 * values.shape[-1] + 1)
-        if values.dtype == torch.bool:
-            storage = (torch.rand(shape, generator=generator) < 0.5).to(values.device)
-        else:
-            storage = torch.full(shape, float("nan"), dtype=values.dtype, device=values.device)
-        view = storage[..., 1::2]
-        view.copy_(values)
-        return view
-    raise ValueError(layout)
-
-
-@dataclasses.dataclass
-class Inputs:
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    grad_out: torch.Tensor
-    grad_lse: torch.Tensor | None
-    attn_mask: torch.Tensor | None     # as given by a user (broadcastable)
-    key_padding_mask: torch.Tensor | None
-
-    def mask_view(self) -> torch.Tensor | None:
-        """The mask as every backend receives it: (B, H_q, L_q, L_k), stride 0 where broadcast."""
-        if self.attn_mask is None:
-            return None
-        b, h, q = self.query.shape[:3]
-        return self.attn_mask.expand(b, h, q, self.key.shape[2])
-
-
-def make_inputs(case: Case, dtype, rotation: int, generator) -> Inputs:
-    layouts = _layouts(rotation)
-    dim_v = case.dim_v or case.dim_qk
-
-    def tensor(name, heads, length, dim):
-        values = torch.randn(case.batch, heads, length, dim, generator=generator).to(dtype).to(DEVICE)
-        return testing.strided(values, layouts[name])
-
-    query = tensor("query", case.heads_q, case.len_q, case.dim_qk)
-    key = tensor("key", case.heads_kv, case.len_k, case.dim_qk)
-    value = tensor("value", case.heads_kv, case.len_k, dim_v)
-    grad_out = tensor("grad_out", case.heads_q, case.len_q, dim_v)
-    mask = None
-    if case.mask is not None:
-        shape = MASK_SHAPES[case.mask_shape](case.batch, case.heads_q, case.len_q, case.len_k)
-        values = testing.random_mask(shape, case.mask, dtype, generator=generator)
-        if case.hidden_rows:
-            values = _hide_rows(values, case, generator)
-        mask = _laid_out_mask(values.to(DEVICE), case.mask_layout, generator)
-    padding = None
-    if case.key_padding:
-        padding = torch.rand(case.batch, case.len_k, generator=generator) < 0.3
-        if case.hidden_rows:
-            padding[0] = True  # the whole first batch sees no key
-        padding = padding.to(DEVICE)
-    grad_lse = None
-    if case.lse_grad:
-        # Its own layout too: (B, L_q, H_q) storage viewed as (B, H_q, L_q).
-        grad_lse = torch.randn(case.batch, case.len_q, case.heads_q, generator=generator).to(DEVICE)
-        grad_lse = grad_lse.permute(0, 2, 1)
-    return Inputs(query, key, value, grad_out, grad_lse, mask, padding)
-
-
-def _hide_rows(values: torch.Tensor, case: Case, generator) -> torch.Tensor:
-    """Hides every key from about one query row in three (where the mask has a query dim)."""
-    full = values.expand(*values.shape[:-2], case.len_q, case.len_k).clone()
-    rows = torch.rand(case.len_q, generator=generator) < 0.33
-    rows[0] = True
-    hidden = False if values.dtype == torch.bool else float("-inf")
-    full[..., rows, :] = hidden
-    return full
+def make_inputs(case: Case, dtype, rotation: int, generator) -> testing.Inputs:
+    return testing.random_inputs(case, dtype, rotation, generator, DEVICE)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Running and checking
+# Running
 # ---------------------------------------------------------------------------------------------------
 
-def _scale(case: Case) -> float:
-    return case.dim_qk ** -0.5 if case.scale is None else case.scale
-
-
-def run_backend(inputs: Inputs, case: Case, out_layout: str) -> testing.Results:
-    """Forward and backward through the backend's entry points, the output NaN-poisoned in its layout."""
+def run_backend(inputs: testing.Inputs, out_layout: str | None = None) -> testing.Results:
+    """Forward and backward through the backend's entry points; the output is the inputs' NaN-poisoned
+    one, or a fresh NaN-poisoned one in `out_layout`."""
+    case = inputs.case
     q, k, v = inputs.query, inputs.key, inputs.value
     mask = inputs.mask_view()
-    out_shape = (*q.shape[:3], v.shape[3])
-    out = testing.strided(torch.full(out_shape, float("nan"), dtype=q.dtype, device=q.device), out_layout)
-    out.fill_(float("nan"))
-    lse = BACKEND.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, _scale(case), out)
-    dq, dk, dv = BACKEND.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, _scale(case), out,
-                                  lse, inputs.grad_out, inputs.grad_lse)
+    out = inputs.out if out_layout is None else testing.poisoned_output(q, case.value_dim, out_layout)
+    lse = BACKEND.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale, out)
+    dq, dk, dv = BACKEND.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale,
+                                  out, lse, inputs.grad_out, inputs.grad_lse)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
     return testing.Results(out, lse, dq, dk, dv)
-
-
-def reference_with_lse_grad(inputs: Inputs, case: Case, dtype) -> testing.Results:
-    """The einsum reference in `dtype`, differentiated through both the output and the lse."""
-    def prepared(tensor):
-        return tensor.detach().to("cpu", dtype).requires_grad_()
-
-    q, k, v = (prepared(t) for t in (inputs.query, inputs.key, inputs.value))
-    mask = inputs.mask_view()
-    if mask is not None:
-        mask = mask.cpu() if mask.dtype == torch.bool else mask.cpu().to(dtype)
-    padding = None if inputs.key_padding_mask is None else inputs.key_padding_mask.cpu()
-    out, lse = reference.attention(q, k, v, mask, padding, case.is_causal, _scale(case))
-    loss = (out * inputs.grad_out.cpu().to(dtype)).sum() + (lse * inputs.grad_lse.cpu().to(lse.dtype)).sum()
-    grads = torch.autograd.grad(loss, (q, k, v))
-    return testing.Results(out.detach(), lse.detach(), *grads)
-
-
-def check(results: testing.Results, inputs: Inputs, case: Case):
-    if case.lse_grad:
-        exact = reference_with_lse_grad(inputs, case, torch.float64)
-        same = reference_with_lse_grad(inputs, case, inputs.query.dtype)
-        return testing.assert_close_to_reference(results, exact, same, inputs.query.dtype)
-    return testing.check_against_reference(
-        results, inputs.query, inputs.key, inputs.value, inputs.grad_out, attn_mask=inputs.mask_view(),
-        key_padding_mask=inputs.key_padding_mask, is_causal=case.is_causal, scale=case.scale)
 
 
 def _tiles(rotation: int) -> dict:
@@ -323,14 +183,8 @@ def test_matches_reference(name, dtype, rotation, generator):
     case = CASES[name]
     inputs = make_inputs(case, dtype, rotation, generator)
     with tk.forced_configs(**_tiles(rotation)):
-        results = run_backend(inputs, case, _layouts(rotation)["out"])
-    check(results, inputs, case)
-    if case.hidden_rows:
-        hidden = torch.isinf(results.lse)
-        assert hidden.any(), "the case was meant to have rows that see no key"
-        assert (results.out[hidden] == 0).all()
-        assert (results.lse[hidden] == float("-inf")).all()
-        assert (results.grad_query[hidden] == 0).all()
+        results = run_backend(inputs)
+    testing.check_inputs(results, inputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -339,24 +193,12 @@ def test_gradients_bitwise_identical_on_two_runs(name, dtype, generator):
     case = CASES[name]
     inputs = make_inputs(case, dtype, 1, generator)
     with tk.forced_configs(**SMALL_TILES):
-        first = run_backend(inputs, case, "contiguous")
-        second = run_backend(inputs, case, "seq_first")
+        first = run_backend(inputs, "contiguous")
+        second = run_backend(inputs, "seq_first")
     for field in ("grad_query", "grad_key", "grad_value"):
         a, b = getattr(first, field), getattr(second, field)
         assert not torch.isnan(a).any()
         assert torch.equal(a, b), field
-
-
-def _public_reference(inputs, case, dtype, call):
-    """(out, lse, grads) of `call` run by the reference backend on copies in `dtype`."""
-    q, k, v = (t.detach().cpu().to(dtype).requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
-    mask = inputs.attn_mask
-    if mask is not None:
-        mask = mask.cpu() if mask.dtype == torch.bool else mask.cpu().to(dtype)
-    padding = None if inputs.key_padding_mask is None else inputs.key_padding_mask.cpu()
-    out, lse = call(q, k, v, mask, padding, "reference")
-    grads = torch.autograd.grad(out, (q, k, v), inputs.grad_out.cpu().to(dtype))
-    return testing.Results(out.detach(), lse.detach(), *grads)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -364,21 +206,10 @@ def _public_reference(inputs, case, dtype, call):
                                   "head_dim_40_dv_24"])
 def test_public_attention_with_autograd(name, dtype, generator):
     """fused_attn.attention(backend="triton"): the registered ops, their autograd, the mask view."""
-    case = CASES[name]
-    inputs = make_inputs(case, dtype, 2, generator)
-
-    def call(q, k, v, mask, padding, backend):
-        return fused_attn.attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
-                                    enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=padding,
-                                    return_lse=True, backend=backend)
-
-    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    inputs = make_inputs(CASES[name], dtype, 2, generator)
     with tk.forced_configs(**SMALL_TILES):
-        out, lse = call(q, k, v, inputs.attn_mask, inputs.key_padding_mask, "triton")
-        grads = torch.autograd.grad(out, (q, k, v), inputs.grad_out)
-    exact = _public_reference(inputs, case, torch.float64, call)
-    same = _public_reference(inputs, case, dtype, call)
-    testing.assert_close_to_reference(testing.Results(out, lse, *grads), exact, same, dtype)
+        results = testing.run_attention(inputs, "triton")
+    testing.check_inputs(results, inputs)
 
 
 def test_opcheck_with_triton_backend(generator):
@@ -457,8 +288,8 @@ def test_bf16_remedy_is_exercised(bf16_dot_remedy, generator):
     before, casts_before = bf16_dot_remedy["bf16_dots"], bf16_dot_remedy["bf16_casts"]
     inputs = make_inputs(case, torch.bfloat16, 0, generator)
     with tk.forced_configs(**SMALL_TILES):
-        results = run_backend(inputs, case, "contiguous")
-    check(results, inputs, case)
+        results = run_backend(inputs, "contiguous")
+    testing.check_inputs(results, inputs)
     # Forward: 2 dots per visited key block; backward: 3 per dK/dV step and 2 per dQ step; every
     # step rounds P or dS to bf16.
     assert bf16_dot_remedy["bf16_dots"] - before >= 2 * 3
@@ -477,7 +308,7 @@ def test_bf16_without_remedy_is_wrong_in_the_interpreter(bf16_dot_remedy, genera
     try:
         interpreter.InterpreterBuilder.create_dot = bf16_dot_remedy["create_dot"]
         out = torch.full((*inputs.query.shape[:3], inputs.value.shape[3]), float("nan"), dtype=torch.bfloat16)
-        BACKEND.forward(inputs.query, inputs.key, inputs.value, None, None, False, _scale(case), out)
+        BACKEND.forward(inputs.query, inputs.key, inputs.value, None, None, False, case.softmax_scale, out)
     finally:
         interpreter.InterpreterBuilder.create_dot = patched
     exact = testing.reference_results(inputs.query, inputs.key, inputs.value, dtype=torch.float64)
@@ -604,22 +435,17 @@ LARGE_CASES = {
 }
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", list(LARGE_CASES))
-def test_large_on_gpu(name, dtype, generator):
-    case = LARGE_CASES[name]
-    inputs = make_inputs(case, dtype, 1, generator)
-    check(run_backend(inputs, case, "heads_inner"), inputs, case)
+# Compiled on a GPU (one rotation of layouts), and slow in the interpreter (another rotation).
+LARGE_RUNS = [pytest.param(1, marks=pytest.mark.cuda, id="gpu"),
+              pytest.param(3, marks=pytest.mark.slow, id="interpreter")]
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("rotation", LARGE_RUNS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", list(LARGE_CASES))
-def test_large_default_configs(name, dtype, generator):
-    case = LARGE_CASES[name]
-    inputs = make_inputs(case, dtype, 3, generator)
-    check(run_backend(inputs, case, "seq_first"), inputs, case)
+def test_large_default_configs(name, dtype, rotation, generator):
+    inputs = make_inputs(LARGE_CASES[name], dtype, rotation, generator)
+    testing.check_inputs(run_backend(inputs), inputs)
 
 
 # ---------------------------------------------------------------------------------------------------
