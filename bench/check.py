@@ -29,11 +29,11 @@ def device_backends(device: torch.device) -> list[str]:
 
 
 def check_one(backend: str, case: testing.Case, dtype: torch.dtype, device: torch.device,
-              seed: int = 0) -> dict:
-    """Runs one problem (each tensor in its own layout) forward and backward through
-    `fused_attn.attention`; returns {"errors": {...}, "passed", "reason"}."""
+              seed: int = 0, rotation: int = 0) -> dict:
+    """Runs one problem forward and backward through `fused_attn.attention`, each tensor in its own
+    layout (`testing.rotated_layouts(rotation)`); returns {"errors": {...}, "passed", "reason"}."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = testing.random_inputs(case, dtype, seed, generator, device)
+    inputs = testing.random_inputs(case, dtype, rotation, generator, device)
     try:
         errors = testing.check_inputs(testing.run_attention(inputs, backend), inputs)
         return {"errors": errors, "passed": True, "reason": ""}
