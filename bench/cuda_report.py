@@ -275,18 +275,6 @@ def compile_glue(target: str = "sm_80", timeout=1800) -> str:
         return done.stdout + done.stderr
 
 
-def _table(rows) -> str:
-    header = (f"{'kernel':<14} {'target':<6} {'dtype':<9} {'D':>4} {'config':<32} {'regs':>4} "
-              f"{'spill':>5} {'smem':>7} {'tensor-core instr.':<28} verdict")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        tc = ", ".join(f"{k}:{v}" for k, v in sorted(r["tensor_core_instructions"].items())) or "-"
-        lines.append(f"{r['kernel']:<14} {r['target']:<6} {r['dtype']:<9} {r['head_dim'] or '-':>4} "
-                     f"{r['config']:<32} {r['registers']:>4} {r['spill_bytes']:>5} {r['shared_bytes']:>7} "
-                     f"{tc:<28} {'fits' if r['fits'] else '; '.join(r['problems'])}")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cuda_report", description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
@@ -302,7 +290,9 @@ def main(argv=None) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        print(_table(rows))
+        from .inspect import format_table  # bench.inspect imports this module
+
+        print(format_table(rows))
         print(f"{len(rows)} kernel instances, {sum(not r['fits'] for r in rows)} with problems, "
               f"compiled in {time.perf_counter() - start:.0f} s")
     return 0 if all(r["fits"] for r in rows) else 1

@@ -7,13 +7,21 @@ whether it fits the device.
 
     python -m bench.inspect            # table
     python -m bench.inspect --json     # one JSON object per (backend, kernel, target, config)
+
+The tests run the JSON form once per session (`run_json`, the `static_gpu_report` fixture) and judge
+its rows (tests/test_triton_compile.py, tests/test_cuda_compile.py, tests/test_inspect.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 from . import cuda_report, triton_report
 
@@ -32,19 +40,48 @@ def collect(backends=tuple(SOURCES)) -> tuple[list[dict], dict[str, str]]:
 
 
 def format_table(rows: list[dict]) -> str:
+    """The rows of either backend's report as one aligned text table (a row per kernel build)."""
+    def text(value):
+        return "-" if value is None else str(value)
+
     header = ("backend", "kernel", "target", "dtype", "D", "causal", "config", "regs", "spill B", "stack B",
               "smem KiB", "tensor-core ops", "fits")
     lines = [header]
     for row in rows:
         tensor_cores = " ".join(f"{name}:{count}" for name, count in
                                 sorted(row["tensor_core_instructions"].items())) or "-"
-        lines.append((row["backend"], row["kernel"], row["target"], str(row["dtype"]), str(row["head_dim"]),
-                      str(row["causal"]), row["config"], str(row["registers"]), str(row["spill_bytes"]),
+        lines.append((row["backend"], row["kernel"], row["target"], text(row["dtype"]), text(row["head_dim"]),
+                      text(row["causal"]), row["config"], str(row["registers"]), str(row["spill_bytes"]),
                       str(row["stack_bytes"]), f"{row['shared_bytes'] / 1024:.1f}", tensor_cores,
                       "yes" if row["fits"] else "NO: " + "; ".join(row["problems"])))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
                      for line in lines)
+
+
+@dataclasses.dataclass
+class JsonRun:
+    """What `python -m bench.inspect --json` printed: its rows, {backend: why it was not compiled}
+    (the first line of the reason), its exit code and its stderr."""
+
+    rows: list[dict]
+    missing: dict[str, str]
+    returncode: int
+    stderr: str
+
+    def of(self, backend: str) -> list[dict]:
+        return [row for row in self.rows if row["backend"] == backend]
+
+
+def run_json(timeout: float = 3600) -> JsonRun:
+    """Runs `python -m bench.inspect --json` in a child process (TRITON_INTERPRET unset) and parses it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "bench.inspect", "--json"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    missing = dict(re.findall(rf"^({'|'.join(SOURCES)}): not compiled: (.*)$", done.stderr, re.MULTILINE))
+    return JsonRun(rows, missing, done.returncode, done.stderr)
 
 
 def main(argv=None) -> int:

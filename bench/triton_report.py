@@ -204,18 +204,6 @@ def _rows(targets, dtypes, head_dims):
                         yield _compile_row(kernel, target, dtype_name, head_dim, causal)
 
 
-def _table(rows) -> str:
-    lines = [f"{'kernel':15} {'target':6} {'dtype':8} {'D':>3} {'causal':6} {'regs':>4} {'smem KB':>7} "
-             f"{'spill':>5} {'tensor core':28} {'config':42} verdict"]
-    for r in rows:
-        cores = ",".join(f"{k}x{v}" for k, v in r["tensor_core_instructions"].items()) or "-"
-        verdict = "ok" if r["fits"] else "; ".join(r["problems"])
-        lines.append(f"{r['kernel']:15} {r['target']:6} {r['dtype']:8} {r['head_dim']:>3} {str(r['causal']):6} "
-                     f"{r['registers']:>4} {r['shared_bytes'] / 1024:>7.1f} {r['spill_bytes']:>5} "
-                     f"{cores[:28]:28} {r['config']:42} {verdict}")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="compile here and print one JSON row per line")
@@ -230,7 +218,9 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
         return 0
     rows = report(options.targets, options.dtypes, options.head_dims)
-    print(_table(rows))
+    from .inspect import format_table  # bench.inspect imports this module
+
+    print(format_table(rows))
     return 0 if all(r["fits"] for r in rows) else 1
 
 

@@ -27,3 +27,12 @@ def pytest_collection_modifyitems(config, items):
 def generator():
     """A seeded generator per test: fresh random inputs, reproducible failures."""
     return torch.Generator().manual_seed(0x5EED)
+
+
+@pytest.fixture(scope="session")
+def static_gpu_report():
+    """`python -m bench.inspect --json` (every Triton and CUDA kernel compiled for sm_80 and sm_90),
+    run once per session in a child process: a bench.inspect.JsonRun."""
+    from bench import inspect
+
+    return inspect.run_json()

@@ -3,13 +3,13 @@
 Every shipped template instance: no spills, registers within what __launch_bounds__ allows, shared
 memory within the target's limit (and within 99 KB, so sm_86/sm_89 run them too), tensor-core
 instructions in the fp16/bf16 tile products and none in the fp32 ones. Skips only where nvcc is
-absent. The compilation runs once per test session (30-40 s here for both targets).
+absent. The rows are the cuda rows of `python -m bench.inspect --json`, run once per test session
+(the `static_gpu_report` fixture of conftest.py; 30-40 s here for the CUDA part, both targets).
 """
 
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 
@@ -26,16 +26,15 @@ def shipped_instances() -> set[tuple[str, int]]:
     return {(cuda_report.DTYPE_NAMES[t], int(d)) for t, d in re.findall(r"X\((\w+), (\d+)\)", body)}
 
 
-@pytest.fixture(scope="session")
-def report_rows(request):
+@pytest.fixture(scope="module")
+def report_rows(static_gpu_report):
     try:
         cuda_report.find_nvcc()
     except cuda_report.ToolMissing as missing:
         pytest.skip(f"nvcc is not installed: {missing}")
-    start = time.perf_counter()
-    rows = cuda_report.report()
-    print(f"\ncuda report: {len(rows)} kernel instances compiled in {time.perf_counter() - start:.1f} s")
-    return rows
+    if "cuda" in static_gpu_report.missing:
+        pytest.fail(f"bench.inspect could not compile the CUDA kernels:\n{static_gpu_report.stderr[-4000:]}")
+    return static_gpu_report.of("cuda")
 
 
 def _offenders(rows, predicate):

@@ -4,8 +4,9 @@ Every kernel is compiled at its default configs for sm_80 and sm_90 by Triton's 
 bf16, head dims 64 and 128, causal and not; see bench/triton_report.py), and its cubin is read back
 with cuobjdump: it compiles, nothing spills (no local loads/stores in the SASS, no stack), the matrix
 products run on tensor cores (HMMA on sm_80, HGMMA on sm_90), and shared memory fits the device
-(163 KB on sm_80, 227 KB on sm_90). The report is computed once per module: 56 compilations in one
-child process, 75-80 s of wall time for the whole file on this 2-core machine.
+(163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows of `python -m bench.inspect --json`,
+run once per test session (the `static_gpu_report` fixture of conftest.py; 56 Triton compilations,
+about 75 s on this 2-core machine, plus the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "config", 
 
 
 @pytest.fixture(scope="module")
-def rows():
+def rows(static_gpu_report):
+    if "triton" in static_gpu_report.missing:
+        pytest.fail(f"bench.inspect could not compile the Triton kernels:\n{static_gpu_report.stderr[-4000:]}")
     found = {}
-    for row in triton_report.report():
+    for row in static_gpu_report.of("triton"):
         found[(row["kernel"], row["target"], row["dtype"], row["head_dim"], row["causal"])] = row
     return found
 

@@ -1,0 +1,45 @@
+"""`python -m bench.inspect --json`, the static GPU report, run as a test: one row for every kernel
+of both backends on every target, and the command's verdict (exit code 0: everything compiled and
+fits). The per-kernel judgements are in tests/test_triton_compile.py and tests/test_cuda_compile.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import cuda_report, inspect, triton_report
+
+
+def _expected_backends() -> list[str]:
+    """The backends whose compilers are installed here (Triton's cuobjdump ships with the wheel)."""
+    try:
+        cuda_report.find_nvcc()
+    except cuda_report.ToolMissing:
+        return ["triton"]
+    return ["triton", "cuda"]
+
+
+KERNELS = {
+    "triton": set(triton_report.KERNELS),
+    "cuda": {*cuda_report.MATMUL_KERNELS, "backward_delta"},
+}
+TARGETS = {"triton": set(triton_report.TARGETS), "cuda": set(cuda_report.TARGETS)}
+
+
+def test_json_has_a_report_for_every_kernel_and_target(static_gpu_report):
+    pytest.importorskip("triton")
+    expected = _expected_backends()
+    assert not static_gpu_report.missing, static_gpu_report.stderr[-4000:]
+    assert {row["backend"] for row in static_gpu_report.rows} == set(expected)
+    for backend in expected:
+        rows = static_gpu_report.of(backend)
+        found = {(row["kernel"], row["target"]) for row in rows}
+        assert found == {(k, t) for k in KERNELS[backend] for t in TARGETS[backend]}, backend
+    failing = [row for row in static_gpu_report.rows if not row["fits"]]
+    assert not failing, [(r["backend"], r["kernel"], r["target"], r["problems"]) for r in failing]
+    assert static_gpu_report.returncode == 0, static_gpu_report.stderr[-4000:]
+
+
+def test_table_has_a_line_per_row(static_gpu_report):
+    table = inspect.format_table(static_gpu_report.rows).splitlines()
+    assert len(table) == 1 + len(static_gpu_report.rows)
+    assert table[0].split()[:3] == ["backend", "kernel", "target"]
