@@ -40,6 +40,18 @@ void check_device(const at::Tensor& query, const std::optional<at::Tensor>& t, c
               query.device(), " (as query), got ", t->device());
 }
 
+// The tensors forward and backward both take: query on a CUDA device, the others on the same one.
+void check_attention_devices(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const std::optional<at::Tensor>& attn_mask,
+                             const std::optional<at::Tensor>& key_padding_mask, const at::Tensor& out) {
+  TORCH_CHECK(query.is_cuda(), "fused_attn cuda: query must be a CUDA tensor");
+  check_device(query, key, "key");
+  check_device(query, value, "value");
+  check_device(query, attn_mask, "attn_mask");
+  check_device(query, key_padding_mask, "key_padding_mask");
+  check_device(query, out, "out");
+}
+
 CudaLaunch launcher_for(const at::Tensor& query) {
   const int device = query.get_device();
   int major = 0, max_shared_bytes = 0;
@@ -56,12 +68,7 @@ at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& attn_mask,
                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                         double scale, const at::Tensor& out) {
-  TORCH_CHECK(query.is_cuda(), "fused_attn cuda: query must be a CUDA tensor");
-  check_device(query, key, "key");
-  check_device(query, value, "value");
-  check_device(query, attn_mask, "attn_mask");
-  check_device(query, key_padding_mask, "key_padding_mask");
-  check_device(query, out, "out");
+  check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
                        launcher_for(query));
@@ -72,12 +79,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse) {
-  TORCH_CHECK(query.is_cuda(), "fused_attn cuda: query must be a CUDA tensor");
-  check_device(query, key, "key");
-  check_device(query, value, "value");
-  check_device(query, attn_mask, "attn_mask");
-  check_device(query, key_padding_mask, "key_padding_mask");
-  check_device(query, out, "out");
+  check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, lse, "lse");
   check_device(query, grad_out, "grad_out");
   check_device(query, grad_lse, "grad_lse");
