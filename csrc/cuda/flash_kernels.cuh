@@ -36,6 +36,12 @@ __device__ __forceinline__ unsigned char* dynamic_shared_memory() {
 
 namespace fused_attn_cuda {
 
+// Head (b, h) of a (B, H, L, D) tensor: its first element, through the tensor's own strides.
+template <typename T, typename Pointer>
+__device__ __forceinline__ T* head_of(Pointer base, const int64_t* stride, int b, int h) {
+  return static_cast<T*>(base) + b * stride[0] + h * stride[1];
+}
+
 constexpr int kThreads = 128;  // 4 warps per block, every kernel
 // Every kernel is declared __launch_bounds__(kThreads, 1): at most kThreads threads and at least
 // one resident block per SM (shared memory allows one to three anyway), so ptxas may use up to 255
@@ -368,9 +374,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
   float* o_s = shared.take<float>(BM, LDO);
   float* inv_sum_s = shared.take<float>(BM, 1);
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  const T* q = head_of<const T>(p.q, p.q_stride, b, h);
+  const T* k = head_of<const T>(p.k, p.k_stride, b, h_kv);
+  const T* v = head_of<const T>(p.v, p.v_stride, b, h_kv);
   load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
   fill_f32(o_s, BM * LDO, 0.0f);
 
@@ -420,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
           row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
   }
   __syncthreads();
-  T* out = static_cast<T*>(params.out) + b * params.out_stride[0] + h * params.out_stride[1];
+  T* out = head_of<T>(params.out, params.out_stride, b, h);
   for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
     const int r = e / HEAD, d = e % HEAD;
     if (m0 + r < p.len_q && d < p.dim_v)
@@ -441,10 +447,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_delta_kernel(const
   const int i = static_cast<int>(row % p.len_q);
   const int h = static_cast<int>(row / p.len_q % p.heads);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.len_q) * p.heads));
-  const T* out = static_cast<const T*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] +
-                 i * p.out_stride[2];
-  const T* grad_out = static_cast<const T*>(p.grad_out) + b * p.grad_out_stride[0] +
-                      h * p.grad_out_stride[1] + i * p.grad_out_stride[2];
+  const T* out = head_of<const T>(p.out, p.out_stride, b, h) + i * p.out_stride[2];
+  const T* grad_out =
+      head_of<const T>(p.grad_out, p.grad_out_stride, b, h) + i * p.grad_out_stride[2];
   float sum = 0.0f;
   for (int d = lane; d < p.dim_v; d += 32)
     sum = fmaf(Element<T>::load(out[d * p.out_stride[3]]),
@@ -519,8 +524,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* lse_s = shared.take<float>(BM, 1);
   float* delta_s = shared.take<float>(BM, 1);
 
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  const T* k = head_of<const T>(p.k, p.k_stride, b, h_kv);
+  const T* v = head_of<const T>(p.v, p.v_stride, b, h_kv);
   load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
   load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
   fill_f32(dk_s, BN * LDA, 0.0f);
@@ -530,9 +535,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int m_begin = p.is_causal ? n0 / BM * BM : 0;
   for (int g = 0; g < p.group; ++g) {
     const int h = h_kv * p.group + g;
-    const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-    const T* grad_out = static_cast<const T*>(params.grad_out) + b * params.grad_out_stride[0] +
-                        h * params.grad_out_stride[1];
+    const T* q = head_of<const T>(p.q, p.q_stride, b, h);
+    const T* grad_out = head_of<const T>(params.grad_out, params.grad_out_stride, b, h);
     for (int m0 = m_begin; m0 < p.len_q; m0 += BM) {
       load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
       load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2],
@@ -552,10 +556,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();  // the accumulators are complete even when no query block was visited
 
-  T* grad_k = static_cast<T*>(params.grad_k) + b * params.grad_k_stride[0] +
-              h_kv * params.grad_k_stride[1];
-  T* grad_v = static_cast<T*>(params.grad_v) + b * params.grad_v_stride[0] +
-              h_kv * params.grad_v_stride[1];
+  T* grad_k = head_of<T>(params.grad_k, params.grad_k_stride, b, h_kv);
+  T* grad_v = head_of<T>(params.grad_v, params.grad_v_stride, b, h_kv);
   for (int e = threadIdx.x; e < BN * HEAD; e += kThreads) {
     const int r = e / HEAD, d = e % HEAD, n = n0 + r;
     if (n >= p.len_k) continue;
@@ -589,11 +591,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   float* lse_s = shared.take<float>(BM, 1);
   float* delta_s = shared.take<float>(BM, 1);
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-  const T* grad_out = static_cast<const T*>(params.grad_out) + b * params.grad_out_stride[0] +
-                      h * params.grad_out_stride[1];
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + h_kv * p.k_stride[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + h_kv * p.v_stride[1];
+  const T* q = head_of<const T>(p.q, p.q_stride, b, h);
+  const T* grad_out = head_of<const T>(params.grad_out, params.grad_out_stride, b, h);
+  const T* k = head_of<const T>(p.k, p.k_stride, b, h_kv);
+  const T* v = head_of<const T>(p.v, p.v_stride, b, h_kv);
   load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
   load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2], params.grad_out_stride[3],
                          m0, p.len_q, p.dim_v);
@@ -616,8 +617,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   }
   __syncthreads();
 
-  T* grad_q = static_cast<T*>(params.grad_q) + b * params.grad_q_stride[0] +
-              h * params.grad_q_stride[1];
+  T* grad_q = head_of<T>(params.grad_q, params.grad_q_stride, b, h);
   for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
     const int r = e / HEAD, d = e % HEAD;
     if (m0 + r < p.len_q && d < p.dim_qk)
