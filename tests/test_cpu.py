@@ -95,9 +95,9 @@ def test_meets_criterion_with_default_blocks(generator, feature, dtype):
     run_and_check(generator, dtype, feature, LAYOUTS[::-1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_own_micro_kernel_meets_criterion(generator, small_blocks, monkeypatch, dtype):
-    """FUSED_ATTN_CPU_BRGEMM=0: the register-blocked product instead of oneDNN's (bf16 via float)."""
+    """FUSED_ATTN_CPU_BRGEMM=0: the register-blocked product instead of oneDNN's (bf16/fp16 via float)."""
     monkeypatch.setenv("FUSED_ATTN_CPU_BRGEMM", "0")
     run_and_check(generator, dtype, "blocks", LAYOUTS)
 

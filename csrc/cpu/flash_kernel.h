@@ -1,14 +1,15 @@
 // FlashAttention on the CPU: the forward and backward kernels, written once and compiled once per
-// instruction set. The including file defines CPU_CAPABILITY (DEFAULT, AVX2 or AVX512) and the
-// matching CPU_CAPABILITY_* macro first, as ATen does for its own kernels, so that
+// instruction set. The including file defines CPU_CAPABILITY (DEFAULT, AVX2, AVX512 or AVX512_BF16)
+// and the matching CPU_CAPABILITY_* macro first, as ATen does for its own kernels, so that
 // at::vec::Vectorized is the vector type of that instruction set; everything here lives in
-// fused_attn_cpu::CPU_CAPABILITY, so the three copies never share a symbol.
+// fused_attn_cpu::CPU_CAPABILITY, so the copies never share a symbol.
 //
-// Forward: work items are (batch, query head, query block), spread over threads by at::parallel_for.
-// A query block meets the key blocks in turn: S = Q Kᵀ, online softmax (running max m, running sum
-// l, the output accumulator rescaled by exp(m_old - m_new)), O += P V. Scores exist one block at a
-// time, so memory grows with the block sizes, never with L_q × L_k. Causal attention stops at the
-// last key block a query block can see.
+// Forward: work items are (batch, query head, group of up to 8 query blocks), spread over threads by
+// at::parallel_for. Each key block is packed once per item and met by the item's query blocks in
+// turn: S = Q Kᵀ, online softmax (running max m, running sum l, the output accumulator rescaled by
+// exp(m_old - m_new)), O += P V. Scores exist one block at a time, so memory grows with the block
+// sizes, never with L_q × L_k. Causal attention stops at the last key block an item can see and
+// skips the query blocks that see none of a key block.
 //
 // Backward: work items are (batch, key/value head), which own their dK and dV and the dQ of every
 // query head of their group, so no two threads write the same gradient element and the order of

@@ -1,5 +1,12 @@
 """The C++ CPU kernels of csrc/cpu (FlashAttention's algorithm, vectorised, oneDNN brgemm for the block
-products), reached through the ops `torch.ops.fused_attn.flash_forward` / `flash_backward`."""
+products), reached through the ops `torch.ops.fused_attn.flash_forward` / `flash_backward`.
+
+The kernels follow ATen's choice of instruction set (ATEN_CPU_CAPABILITY caps it). Environment
+overrides, for benchmarks and tests: FUSED_ATTN_CPU_BLOCK_Q / FUSED_ATTN_CPU_BLOCK_K (block sizes;
+defaults 128 × 512 forward, 64 × 256 backward), FUSED_ATTN_CPU_BRGEMM=0 (the built-in micro-kernel
+instead of oneDNN's brgemm), FUSED_ATTN_CPU_ISA=default|avx2|avx512|avx512_bf16 (a compiled copy of
+the kernels, up to what the CPU runs).
+"""
 
 from __future__ import annotations
 
