@@ -55,30 +55,31 @@ import triton.language as tl
 # Helpers shared by the kernels; `triton.jit` functions called from a kernel are inlined into it.
 
 @triton.jit
-def _apply_attn_mask(s, visible, mask_ptrs, MASK_KIND: tl.constexpr):
-    """The user's mask on a tile of base-2 scores `s` (any orientation; `mask_ptrs` matches it):
-    bool (MASK_KIND 1) hides where the mask is 0, additive (2) adds the bias, in base-2 units.
-    Returns (s, visible); only the visible elements of the mask are read."""
+def _apply_attn_mask(s, visible, mask_rows, offs_cols64, stride_cols, MASK_KIND: tl.constexpr):
+    """The user's mask on a tile of base-2 scores `s`, in either orientation: `mask_rows` points at
+    the mask for each row of the tile (a column of pointers), columns `offs_cols64` apart by
+    `stride_cols`. Bool (MASK_KIND 1) hides where the mask is 0, additive (2) adds the bias in base-2
+    units. Returns (s, visible); only the visible elements of the mask are read."""
     if MASK_KIND == 1:
-        attend = tl.load(mask_ptrs, mask=visible, other=0)
+        attend = tl.load(mask_rows + offs_cols64[None, :] * stride_cols, mask=visible, other=0)
         visible = visible & (attend != 0)
     if MASK_KIND == 2:
-        bias = tl.load(mask_ptrs, mask=visible, other=0.0)
+        bias = tl.load(mask_rows + offs_cols64[None, :] * stride_cols, mask=visible, other=0.0)
         s = s + bias.to(tl.float32) * 1.4426950408889634
     return s, visible
 
 
 @triton.jit
-def _visible_scores(s, offs_m, offs_n, row_ok, col_ok, mask_ptrs, kpm_ptrs,
+def _visible_scores(s, offs_m, offs_n, offs_n64, row_ok, col_ok, mask_rows, stride_mn, kpm_base, stride_pn,
                     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr):
     """(s, visible) for a (query rows, key columns) tile of scores: in bounds, causal, the user's
-    mask and the key padding (read at `kpm_ptrs`, one per column; True = hidden)."""
+    mask and the key padding (one bool per key at `kpm_base`, `stride_pn` apart; True = hidden)."""
     visible = col_ok[None, :] & row_ok[:, None]
     if IS_CAUSAL:
         visible = visible & (offs_n[None, :] <= offs_m[:, None])
-    s, visible = _apply_attn_mask(s, visible, mask_ptrs, MASK_KIND)
+    s, visible = _apply_attn_mask(s, visible, mask_rows, offs_n64, stride_mn, MASK_KIND)
     if HAS_KPM:
-        padded = tl.load(kpm_ptrs, mask=col_ok, other=1)
+        padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
         visible = visible & (padded == 0)[None, :]
     return s, visible
 
@@ -152,9 +153,8 @@ def _attn_fwd(
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-        s, visible = _visible_scores(s, offs_m, offs_n, row_ok, col_ok,
-                                     mask_base + offs_n64[None, :] * stride_mn, kpm_base + offs_n64 * stride_pn,
-                                     MASK_KIND, HAS_KPM, IS_CAUSAL)
+        s, visible = _visible_scores(s, offs_m, offs_n, offs_n64, row_ok, col_ok, mask_base, stride_mn,
+                                     kpm_base, stride_pn, MASK_KIND, HAS_KPM, IS_CAUSAL)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -288,8 +288,7 @@ def _attn_bwd_dkdv(
             visible = key_visible[:, None] & row_ok[None, :]
             if IS_CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :])
-            s_t, visible = _apply_attn_mask(s_t, visible, mask_base + offs_m64[None, :] * stride_mm,
-                                            MASK_KIND)
+            s_t, visible = _apply_attn_mask(s_t, visible, mask_base, offs_m64, stride_mm, MASK_KIND)
             p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -357,9 +356,8 @@ def _attn_bwd_dq(
         v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
                       mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-        s, visible = _visible_scores(s, offs_m, offs_n, row_ok, col_ok,
-                                     mask_base + offs_n64[None, :] * stride_mn, kpm_base + offs_n64 * stride_pn,
-                                     MASK_KIND, HAS_KPM, IS_CAUSAL)
+        s, visible = _visible_scores(s, offs_m, offs_n, offs_n64, row_ok, col_ok, mask_base, stride_mn,
+                                     kpm_base, stride_pn, MASK_KIND, HAS_KPM, IS_CAUSAL)
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, v_t, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
