@@ -4,18 +4,29 @@ fits). The per-kernel judgements are in tests/test_triton_compile.py and tests/t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import cuda_report, inspect, triton_report
 
 
 def _expected_backends() -> list[str]:
-    """The backends whose compilers are installed here (Triton's cuobjdump ships with the wheel)."""
+    """The backends whose tools are installed here: Triton with the cuobjdump of its wheel, nvcc."""
+    expected = []
+    try:
+        import triton
+
+        if (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+            expected.append("triton")
+    except ImportError:
+        pass
     try:
         cuda_report.find_nvcc()
+        expected.append("cuda")
     except cuda_report.ToolMissing:
-        return ["triton"]
-    return ["triton", "cuda"]
+        pass
+    return expected
 
 
 KERNELS = {
@@ -26,9 +37,10 @@ TARGETS = {"triton": set(triton_report.TARGETS), "cuda": set(cuda_report.TARGETS
 
 
 def test_json_has_a_report_for_every_kernel_and_target(static_gpu_report):
-    pytest.importorskip("triton")
     expected = _expected_backends()
-    assert not static_gpu_report.missing, static_gpu_report.stderr[-4000:]
+    if not expected:
+        pytest.skip("neither Triton's cuobjdump nor nvcc is installed")
+    assert not set(expected) & set(static_gpu_report.missing), static_gpu_report.stderr[-4000:]
     assert {row["backend"] for row in static_gpu_report.rows} == set(expected)
     for backend in expected:
         rows = static_gpu_report.of(backend)
@@ -36,7 +48,8 @@ def test_json_has_a_report_for_every_kernel_and_target(static_gpu_report):
         assert found == {(k, t) for k in KERNELS[backend] for t in TARGETS[backend]}, backend
     failing = [row for row in static_gpu_report.rows if not row["fits"]]
     assert not failing, [(r["backend"], r["kernel"], r["target"], r["problems"]) for r in failing]
-    assert static_gpu_report.returncode == 0, static_gpu_report.stderr[-4000:]
+    if len(expected) == len(inspect.SOURCES):  # the command fails when a backend could not be compiled
+        assert static_gpu_report.returncode == 0, static_gpu_report.stderr[-4000:]
 
 
 def test_table_has_a_line_per_row(static_gpu_report):
