@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/Version.h>
 #include <torch/library.h>
 
@@ -148,6 +149,23 @@ int64_t env_int(const char* name, int64_t fallback) {
   return value;
 }
 
+// at::native::cpublas::brgemm throws where oneDNN has no float micro-kernel for the CPU (it does not
+// fall back), so one tiny product decides, once, whether float products may use it.
+bool float_brgemm_usable() {
+  static const bool usable = [] {
+    try {
+      const float a[4] = {1.f, 2.f, 3.f, 4.f}, b[4] = {1.f, 0.f, 0.f, 1.f};
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, a, b, c, false);
+      at::native::cpublas::brgemm_release(false);
+      return c[0] == 1.f && c[1] == 2.f && c[2] == 3.f && c[3] == 4.f;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return usable;
+}
+
 void choose_tiling(Params& p, bool backward) {
   // Larger query blocks amortise the packing of each key block over more rows; the forward keeps
   // a (block_q × block_k) score block per thread in L2.
@@ -157,7 +175,8 @@ void choose_tiling(Params& p, bool backward) {
   const bool brgemm_off = brgemm != nullptr && std::string(brgemm) == "0";
   TORCH_CHECK(brgemm == nullptr || brgemm_off || std::string(brgemm) == "1" || *brgemm == '\0',
               "FUSED_ATTN_CPU_BRGEMM: expected 0 or 1, got '", brgemm, "'");
-  p.use_brgemm = !brgemm_off && p.dtype != Dtype::Float64;
+  // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
+  p.use_brgemm = !brgemm_off && p.dtype != Dtype::Float64 && float_brgemm_usable();
 }
 
 // The kernels for the best instruction set of this CPU, as ATen judges it (at::get_cpu_capability()
