@@ -52,60 +52,6 @@ import triton.language as tl
 # Kernels
 # ---------------------------------------------------------------------------------------------------
 
-# Helpers shared by the kernels; `triton.jit` functions called from a kernel are inlined into it.
-
-@triton.jit
-def _apply_attn_mask(s, visible, mask_rows, offs_cols64, stride_cols, MASK_KIND: tl.constexpr):
-    """The user's mask on a tile of base-2 scores `s`, in either orientation: `mask_rows` points at
-    the mask for each row of the tile (a column of pointers), columns `offs_cols64` apart by
-    `stride_cols`. Bool (MASK_KIND 1) hides where the mask is 0, additive (2) adds the bias in base-2
-    units. Returns (s, visible); only the visible elements of the mask are read."""
-    if MASK_KIND == 1:
-        attend = tl.load(mask_rows + offs_cols64[None, :] * stride_cols, mask=visible, other=0)
-        visible = visible & (attend != 0)
-    if MASK_KIND == 2:
-        bias = tl.load(mask_rows + offs_cols64[None, :] * stride_cols, mask=visible, other=0.0)
-        s = s + bias.to(tl.float32) * 1.4426950408889634
-    return s, visible
-
-
-@triton.jit
-def _visible_scores(s, offs_m, offs_n, offs_n64, row_ok, col_ok, mask_rows, stride_mn, kpm_base, stride_pn,
-                    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """(s, visible) for a (query rows, key columns) tile of scores: in bounds, causal, the user's
-    mask and the key padding (one bool per key at `kpm_base`, `stride_pn` apart; True = hidden)."""
-    visible = col_ok[None, :] & row_ok[:, None]
-    if IS_CAUSAL:
-        visible = visible & (offs_n[None, :] <= offs_m[:, None])
-    s, visible = _apply_attn_mask(s, visible, mask_rows, offs_n64, stride_mn, MASK_KIND)
-    if HAS_KPM:
-        padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
-        visible = visible & (padded == 0)[None, :]
-    return s, visible
-
-
-@triton.jit
-def _query_block_program(L_Q, H_Q, GROUP, BLOCK_M: tl.constexpr):
-    """(pid_m, pid_bh, off_b, off_h, off_hkv) of a program that owns one query block of one head.
-
-    A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
-    under a causal mask, are scheduled first. Batch and head offsets are int64."""
-    num_m = tl.cdiv(L_Q, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_m = num_m - 1 - pid % num_m
-    pid_bh = pid // num_m
-    off_b = (pid_bh // H_Q).to(tl.int64)
-    off_h = (pid_bh % H_Q).to(tl.int64)
-    return pid_m, pid_bh, off_b, off_h, off_h // GROUP
-
-
-@triton.jit
-def _lse_base2(lse):
-    """The natural log-sum-exp in base-2 units; rows that see no key have lse -inf and all p 0, and
-    get 0 so that exp2 stays finite for them."""
-    return tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-
-
 @triton.jit
 def _attn_fwd(
     Q, K, V, O, LSE, MASK, KPM,
@@ -121,7 +67,15 @@ def _attn_fwd(
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m, pid_bh, off_b, off_h, off_hkv = _query_block_program(L_Q, H_Q, GROUP, BLOCK_M)
+    # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
+    # under a causal mask, are scheduled first.
+    num_m = tl.cdiv(L_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = num_m - 1 - pid % num_m
+    pid_bh = pid // num_m
+    off_b = (pid_bh // H_Q).to(tl.int64)
+    off_h = (pid_bh % H_Q).to(tl.int64)
+    off_hkv = off_h // GROUP
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m64 = offs_m.to(tl.int64)
@@ -153,8 +107,18 @@ def _attn_fwd(
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-        s, visible = _visible_scores(s, offs_m, offs_n, offs_n64, row_ok, col_ok, mask_base, stride_mn,
-                                     kpm_base, stride_pn, MASK_KIND, HAS_KPM, IS_CAUSAL)
+        visible = col_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if MASK_KIND == 1:
+            attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
+            visible = visible & (attend != 0)
+        if MASK_KIND == 2:
+            bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
+            s = s + bias.to(tl.float32) * 1.4426950408889634
+        if HAS_KPM:
+            padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
+            visible = visible & (padded == 0)[None, :]
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -281,14 +245,20 @@ def _attn_bwd_dkdv(
             do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
                          mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
             lse = tl.load(lse_base + offs_m64 * stride_lm, mask=row_ok, other=0.0)
-            lse2 = _lse_base2(lse)
+            # Rows that see no key have lse -inf and all p 0; 0 keeps exp2 finite for them.
+            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
             delta = tl.load(delta_base + offs_m64, mask=row_ok, other=0.0)
 
             s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
             visible = key_visible[:, None] & row_ok[None, :]
             if IS_CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :])
-            s_t, visible = _apply_attn_mask(s_t, visible, mask_base, offs_m64, stride_mm, MASK_KIND)
+            if MASK_KIND == 1:
+                attend = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0)
+                visible = visible & (attend != 0)
+            if MASK_KIND == 2:
+                bias = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0.0)
+                s_t = s_t + bias.to(tl.float32) * 1.4426950408889634
             p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -321,7 +291,13 @@ def _attn_bwd_dq(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One query block: dQ = dS K * scale over the key blocks it sees."""
-    pid_m, pid_bh, off_b, off_h, off_hkv = _query_block_program(L_Q, H_Q, GROUP, BLOCK_M)
+    num_m = tl.cdiv(L_Q, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = num_m - 1 - pid % num_m
+    pid_bh = pid // num_m
+    off_b = (pid_bh // H_Q).to(tl.int64)
+    off_h = (pid_bh % H_Q).to(tl.int64)
+    off_hkv = off_h // GROUP
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m64 = offs_m.to(tl.int64)
@@ -336,7 +312,7 @@ def _attn_bwd_dq(
                  other=0.0)
     lse = tl.load(LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm,
                   mask=row_ok, other=0.0)
-    lse2 = _lse_base2(lse)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * L_Q + offs_m64, mask=row_ok, other=0.0)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
@@ -356,8 +332,18 @@ def _attn_bwd_dq(
         v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
                       mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-        s, visible = _visible_scores(s, offs_m, offs_n, offs_n64, row_ok, col_ok, mask_base, stride_mn,
-                                     kpm_base, stride_pn, MASK_KIND, HAS_KPM, IS_CAUSAL)
+        visible = col_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if MASK_KIND == 1:
+            attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
+            visible = visible & (attend != 0)
+        if MASK_KIND == 2:
+            bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
+            s = s + bias.to(tl.float32) * 1.4426950408889634
+        if HAS_KPM:
+            padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
+            visible = visible & (padded == 0)[None, :]
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, v_t, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
