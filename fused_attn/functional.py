@@ -41,6 +41,9 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     if value.shape[2] != key.shape[2]:
         raise ValueError(f"value: expected length {key.shape[2]} (as key), got {value.shape[2]}")
     _check_same("key", "head dim", query.shape[3], key.shape[3])
+    for name, tensor in (("query", query), ("value", value)):
+        if tensor.shape[3] < 1:
+            raise ValueError(f"{name}: expected a head dim of at least 1, got shape {tuple(tensor.shape)}")
     heads_q, heads_kv = query.shape[1], key.shape[1]
     if heads_q != heads_kv and not enable_gqa:
         raise ValueError(f"key: expected {heads_q} heads (as query), got {heads_kv}; "

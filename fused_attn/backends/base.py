@@ -10,21 +10,45 @@ from ..problem import Problem
 class Backend:
     """A backend declares what it supports and computes the forward and backward of the contract.
 
-    Subclasses set `name` and `devices`, and override `unavailable`, `refusals`, `forward` and
-    `backward`. See `fused_attn.problem` for the tensors they receive.
+    Subclasses set `name`, `devices` and the declarations below, and override `unavailable`,
+    `forward` and `backward`; `device_refusals` and `refusals` where they have more to say. See
+    `fused_attn.problem` for the tensors they receive.
     """
 
     name: str = ""
     # Device types the backend is chosen for automatically, in the registry's order of preference.
     devices: tuple[str, ...] = ()
+    # What the kernels take: input dtypes, the largest head dim, dropout, a gradient for attn_mask.
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    max_head_dim: int | None = None
+    takes_dropout: bool = False
+    takes_mask_gradient: bool = False
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run at all here (missing build, library...), or None."""
         return None
 
+    def device_refusals(self, problem: Problem) -> list[str]:
+        """Why the backend cannot run on `problem.device` (by default: a device type it is not for)."""
+        if problem.device.type not in self.devices:
+            kinds = "/".join(device.upper() for device in self.devices)
+            return [f"runs on {kinds} tensors only, got device {problem.device}"]
+        return []
+
     def refusals(self, problem: Problem) -> list[str]:
         """Every reason this backend cannot run `problem`; empty when it can."""
-        return []
+        reasons = self.device_refusals(problem)
+        if problem.dtype not in self.dtypes:
+            names = ", ".join(str(dtype).removeprefix("torch.") for dtype in self.dtypes)
+            reasons.append(f"dtype {problem.dtype} is not supported ({names})")
+        if self.max_head_dim is not None and max(problem.head_dim_qk, problem.head_dim_v) > self.max_head_dim:
+            reasons.append(f"head dims up to {self.max_head_dim}, got {problem.head_dim_qk} (query/key) "
+                           f"and {problem.head_dim_v} (value)")
+        if problem.dropout_p > 0.0 and not self.takes_dropout:
+            reasons.append("dropout is not supported (dropout_p > 0)")
+        if problem.mask_requires_grad and not self.takes_mask_gradient:
+            reasons.append("attn_mask requires grad (no mask gradient)")
+        return reasons
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal: bool, scale: float,
                 out: torch.Tensor) -> torch.Tensor:

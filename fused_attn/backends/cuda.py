@@ -16,10 +16,8 @@ import torch
 
 from .. import _extension
 from ..problem import Problem
-from .base import Backend
+from .extension import ExtensionBackend
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 MAX_GRID_DIM = 65535  # heads and batch index the y and z dimensions of the grid
 
 
@@ -29,9 +27,11 @@ def has_cuda_kernels() -> bool:
         "fused_attn::flash_forward", "CUDA")
 
 
-class CudaBackend(Backend):
+class CudaBackend(ExtensionBackend):
     name = "cuda"
     devices = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    max_head_dim = 256
 
     def unavailable(self) -> str | None:
         if _extension.missing_reason is not None:
@@ -43,33 +43,17 @@ class CudaBackend(Backend):
             return "no CUDA device"
         return None
 
-    def refusals(self, problem: Problem) -> list[str]:
-        reasons = []
-        if problem.device.type != "cuda":
-            reasons.append(f"runs on CUDA tensors only, got device {problem.device}")
-        else:
+    def device_refusals(self, problem: Problem) -> list[str]:
+        reasons = super().device_refusals(problem)
+        if not reasons:
             capability = torch.cuda.get_device_capability(problem.device)
             if capability < (8, 0):
                 reasons.append(f"needs compute capability 8.0 or newer, got {capability[0]}.{capability[1]}")
-        if problem.dtype not in SUPPORTED_DTYPES:
-            reasons.append(f"dtype {problem.dtype} is not supported (float16, bfloat16, float32)")
-        if max(problem.head_dim_qk, problem.head_dim_v) > MAX_HEAD_DIM:
-            reasons.append(f"head dims up to {MAX_HEAD_DIM}, got {problem.head_dim_qk} (query/key) "
-                           f"and {problem.head_dim_v} (value)")
+        return reasons
+
+    def refusals(self, problem: Problem) -> list[str]:
+        reasons = super().refusals(problem)
         if problem.batch > MAX_GRID_DIM or problem.heads_q > MAX_GRID_DIM:
             reasons.append(f"batch and query heads up to {MAX_GRID_DIM}, got {problem.batch} and "
                            f"{problem.heads_q}")
-        if problem.dropout_p > 0.0:
-            reasons.append("no dropout (dropout_p > 0)")
-        if problem.mask_requires_grad:
-            reasons.append("no gradient for attn_mask (the mask requires grad)")
         return reasons
-
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
-        return torch.ops.fused_attn.flash_forward(query, key, value, attn_mask, key_padding_mask,
-                                                  is_causal, scale, out)
-
-    def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse):
-        return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
-                                                   is_causal, scale, out, lse, grad_out, grad_lse)

@@ -80,6 +80,8 @@ def _sum_over_groups(grad: torch.Tensor, heads_kv: int) -> torch.Tensor:
 class ReferenceBackend(Backend):
     name = "reference"
     devices = ("cpu", "cuda")
+    takes_dropout = True
+    takes_mask_gradient = True
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
         result, lse = attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale)

@@ -16,10 +16,6 @@ import torch
 from ..problem import Problem
 from .base import Backend
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-
-
 def _interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
@@ -39,38 +35,30 @@ def _kernels():
 class TritonBackend(Backend):
     name = "triton"
     devices = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    max_head_dim = 256
 
     def unavailable(self) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed"
         return None
 
-    def refusals(self, problem: Problem) -> list[str]:
-        reasons = []
+    def device_refusals(self, problem: Problem) -> list[str]:
         device = problem.device.type
         if device == "cpu":
             if not _interpret_requested():
-                reasons.append("CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1)")
-            elif _kernels_built_for_gpu():
-                reasons.append("TRITON_INTERPRET=1 was set after the kernels were imported for the GPU")
-        elif device == "cuda":
-            capability = torch.cuda.get_device_capability(problem.device)
-            if capability < (7, 5):
-                reasons.append(f"needs compute capability 7.5 or newer, got {capability[0]}.{capability[1]}")
-            elif problem.dtype == torch.bfloat16 and capability < (8, 0):
-                reasons.append("bfloat16 needs compute capability 8.0 or newer")
-        else:
-            reasons.append(f"device type {device!r} is not supported")
-        if problem.dtype not in SUPPORTED_DTYPES:
-            reasons.append(f"dtype {problem.dtype} is not supported (float16, bfloat16, float32)")
-        for what, dim in (("query/key head dim", problem.head_dim_qk), ("value head dim", problem.head_dim_v)):
-            if not 1 <= dim <= MAX_HEAD_DIM:
-                reasons.append(f"{what} {dim} is outside 1..{MAX_HEAD_DIM}")
-        if problem.dropout_p > 0.0:
-            reasons.append("dropout is not supported")
-        if problem.mask_requires_grad:
-            reasons.append("attn_mask requires grad (no mask gradient)")
-        return reasons
+                return ["CPU tensors run only under Triton's interpreter (TRITON_INTERPRET=1)"]
+            if _kernels_built_for_gpu():
+                return ["TRITON_INTERPRET=1 was set after the kernels were imported for the GPU"]
+            return []
+        if device != "cuda":
+            return [f"device type {device!r} is not supported"]
+        capability = torch.cuda.get_device_capability(problem.device)
+        if capability < (7, 5):
+            return [f"needs compute capability 7.5 or newer, got {capability[0]}.{capability[1]}"]
+        if problem.dtype == torch.bfloat16 and capability < (8, 0):
+            return ["bfloat16 needs compute capability 8.0 or newer"]
+        return []
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
         batch, heads_q, len_q, _ = query.shape

@@ -1,0 +1,25 @@
+"""Backends whose kernels are the C++ ops of fused_attn._C: `torch.ops.fused_attn.flash_forward` and
+`flash_backward`, implemented per device (csrc/cpu, csrc/cuda) behind the schemas of csrc/ops.cpp."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _extension
+from .base import Backend
+
+
+class ExtensionBackend(Backend):
+    """Calls the extension's ops; the dispatcher picks the kernel of the tensors' device."""
+
+    def unavailable(self) -> str | None:
+        return _extension.missing_reason
+
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
+        return torch.ops.fused_attn.flash_forward(query, key, value, attn_mask, key_padding_mask,
+                                                  is_causal, scale, out)
+
+    def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
+                 grad_out, grad_lse):
+        return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
+                                                   is_causal, scale, out, lse, grad_out, grad_lse)
