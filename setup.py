@@ -22,15 +22,18 @@ def cuda_build_possible() -> bool:
 def extensions():
     if os.environ.get("FUSED_ATTN_BUILD_EXTENSION", "1") == "0":
         return []
+    # Files compiled for the baseline instruction set come first (kernel_isa_* sort last): where an
+    # instruction-set copy instantiates the same inline function, the linker keeps the first
+    # definition, which must run on every CPU. torch's build adds its own -std (C++20).
     sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx_flags = ["-O3", "-fopenmp"]
     if not cuda_build_possible():
         return [CppExtension("fused_attn._C", sources, extra_compile_args={"cxx": cxx_flags},
                              extra_link_args=["-fopenmp"])]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
     return [CUDAExtension("fused_attn._C", sources,
-                          extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+                          extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
                           extra_link_args=["-fopenmp"])]
 
 
