@@ -13,18 +13,13 @@ dtype, timed interleaved with the rest). FLOPs: 4·B·H·L²·D, half for causal
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
 
-import fused_attn
-from fused_attn.backends import reference
+from . import report, sweep, timing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (B, H, L, D) of the issue: B=4, H=8, D in {64, 128}, L in {512, 2048}, plus B=1, L=8192.
@@ -35,88 +30,32 @@ QUICK_SHAPES = [(4, 8, 512, 64), (4, 8, 2048, 64), (4, 8, 2048, 128)]
 REFERENCE_MAX_SCORES = 4 * 8 * 2048 * 2048
 
 
-def machine_description() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
-                  if line.startswith("flags")), [])
-    wanted = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16",
-                          "amx_tile") if f in flags]
-    return (f"{model}; {os.cpu_count()} CPUs; flags {' '.join(wanted)}; torch {torch.__version__} "
-            f"(capability {torch.backends.cpu.get_cpu_capability()}); threads {torch.get_num_threads()}; "
-            f"python {platform.python_version()}")
-
-
-def attention_flops(b, h, length, d, causal, backward):
-    flops = 4 * b * h * length * length * d
-    flops = flops / 2 if causal else flops
-    return flops * 3.5 if backward else flops
-
-
-def make_call(kind, q, k, v, causal, backward, grad):
-    """A no-argument callable: forward, or forward then backward, of one implementation."""
-    if kind == "cpu":
-        def forward():
-            return fused_attn.attention(q, k, v, is_causal=causal, backend="cpu")
-    elif kind == "sdpa":
-        def forward():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    else:
-        def forward():
-            return reference.attention(q, k, v, is_causal=causal)[0]
-    if not backward:
-        def run():
-            with torch.no_grad():
-                forward()
-        return run
-
-    def run():
-        out = forward()
-        torch.autograd.grad(out, (q, k, v), grad)
-    return run
-
-
-def timed_rounds(calls: dict, rounds: int, budget_s: float):
-    """Interleaved rounds (one call of each per round) until `rounds` or the time budget is spent."""
-    for call in calls.values():
-        call()  # warm-up: brgemm kernels are generated on first use
-    samples = {name: [] for name in calls}
-    start = time.perf_counter()
-    for index in range(rounds):
-        for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            samples[name].append(time.perf_counter() - t0)
-        if index >= 2 and time.perf_counter() - start > budget_s:
-            break
-    return samples
-
-
 def bench_row(dtype, shape, causal, backward, rounds, budget_s, with_reference, gemm_call):
     b, h, length, d = shape
+    problem = sweep.Shape(b, h, length, d, causal, dtype)
+    direction = "fwd+bwd" if backward else "fwd"
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, length, d, generator=generator).to(dtype).requires_grad_(backward)
                for _ in range(3))
     grad = torch.randn(b, h, length, d, generator=generator).to(dtype)
-    calls = {"cpu": make_call("cpu", q, k, v, causal, backward, grad),
-             "sdpa": make_call("sdpa", q, k, v, causal, backward, grad),
-             "gemm": gemm_call}
-    if with_reference and b * h * length * length <= REFERENCE_MAX_SCORES:
-        calls["reference"] = make_call("reference", q, k, v, causal, backward, grad)
-    samples = timed_rounds(calls, rounds, budget_s)
+    wanted = ("cpu", "sdpa", "reference") if with_reference and b * h * length ** 2 <= REFERENCE_MAX_SCORES \
+        else ("cpu", "sdpa")
+    implementations = sweep.implementations(torch.device("cpu"), problem)
+    calls = {name: sweep.runner(implementations[name], q, k, v, causal, direction, grad) for name in wanted}
+    calls["gemm"] = gemm_call
+    samples = timing.interleaved_samples(calls, rounds, budget_s=budget_s)
     ours = samples["cpu"]
-    row = {
+    gemm_rate = statistics.median(gemm_call.flops / t for t in samples["gemm"])
+    gflops = problem.flops(direction) / statistics.median(ours) / 1e9
+    return {
         "rounds": len(ours),
         "cpu_ms": statistics.median(ours) * 1e3,
         "sdpa_ms": statistics.median(samples["sdpa"]) * 1e3,
-        "vs_sdpa": statistics.median(s / o for s, o in zip(samples["sdpa"], ours)),
-        "vs_reference": (statistics.median(r / o for r, o in zip(samples["reference"], ours))
-                         if "reference" in samples else None),
+        "vs_sdpa": timing.median_ratio(samples["sdpa"], ours),
+        "vs_reference": timing.median_ratio(samples["reference"], ours) if "reference" in samples else None,
+        "gflops": gflops,
+        "gemm_fraction": gflops * 1e9 / gemm_rate,
     }
-    gemm_rate = statistics.median(gemm_call.flops / t for t in samples["gemm"])
-    row["gflops"] = attention_flops(b, h, length, d, causal, backward) / statistics.median(ours) / 1e9
-    row["gemm_fraction"] = row["gflops"] * 1e9 / gemm_rate
-    return row
 
 
 def gemm_call_for(dtype, n=2048):
@@ -134,7 +73,7 @@ TARGETS = {("fwd", torch.float32): 1.0, ("fwd", torch.bfloat16): 1.2, ("fwdbwd",
 
 
 def run_table(args):
-    print(machine_description())
+    print(report.machine_description(torch.device("cpu")))
     print()
     print("| dtype | B | H | L | D | causal | pass | cpu ms | SDPA ms | ×SDPA (median of ratios) | target "
           "| ×reference | GFLOP/s | of GEMM | rounds |")

@@ -30,6 +30,25 @@ def device_model(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def machine_description(device: torch.device) -> str:
+    """One line: the model, and on CPUs the vector features, ATen's capability and the threads."""
+    if device.type == "cuda":
+        return f"{device_model(device)}; torch {torch.__version__} (CUDA {torch.version.cuda})"
+    flags = []
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        pass
+    wanted = " ".join(flag for flag in SIMD_FLAGS if flag in flags) or "none listed"
+    return (f"{device_model(device)}; {os.cpu_count()} CPUs; flags {wanted}; torch {torch.__version__} "
+            f"(capability {torch.backends.cpu.get_cpu_capability()}); threads {torch.get_num_threads()}; "
+            f"python {platform.python_version()}")
+
+
 def git_revision() -> str:
     try:
         root = Path(__file__).resolve().parent.parent

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 from typing import Callable
 
 import torch
@@ -83,7 +84,8 @@ def implementations(device: torch.device, shape: Shape) -> dict[str, Callable]:
     return impls
 
 
-def _runner(fn, q, k, v, causal, direction, grad):
+def runner(fn, q, k, v, causal, direction, grad):
+    """A no-argument call of `fn`: the forward (no autograd graph), or forward then backward."""
     if direction == "fwd":
         def run():
             with torch.no_grad():
@@ -116,14 +118,14 @@ def measure_shape(shape: Shape, device: torch.device, directions=DIRECTIONS, rou
              if supported(name, fn, q, k, v, shape.causal)}
     rows = []
     for direction in directions:
-        runners = {name: _runner(fn, q, k, v, shape.causal, direction, grad) for name, fn in impls.items()}
+        runners = {name: runner(fn, q, k, v, shape.causal, direction, grad) for name, fn in impls.items()}
         if device.type == "cuda":
             seconds = {name: timing.gpu_median_seconds(run) for name, run in runners.items()}
             ratio_sdpa = {name: seconds["sdpa"] / s for name, s in seconds.items()}
         else:
-            stats = timing.interleaved_medians(runners, rounds=rounds, baseline="sdpa")
-            seconds = {name: s["median_s"] for name, s in stats.items()}
-            ratio_sdpa = {name: s["ratio_to_baseline"] for name, s in stats.items()}
+            samples = timing.interleaved_samples(runners, rounds=rounds)
+            seconds = {name: statistics.median(times) for name, times in samples.items()}
+            ratio_sdpa = {name: timing.median_ratio(samples["sdpa"], times) for name, times in samples.items()}
         for name, run in runners.items():
             rows.append({
                 "backend": name, "direction": direction, "dtype": str(shape.dtype).removeprefix("torch."),

@@ -14,26 +14,30 @@ from typing import Callable
 import torch
 
 
-def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
-                        baseline: str | None = None) -> dict[str, dict[str, float]]:
-    """{name: {"median_s", "ratio_to_baseline"}}: per-round ratio baseline_time / time (>1 = faster)."""
+def interleaved_samples(candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
+                        budget_s: float | None = None) -> dict[str, list[float]]:
+    """{name: seconds of each call}: one call of each candidate per round, after `warmup` calls each.
+
+    With `budget_s`, stops after the round that exceeds it (but never before three rounds).
+    """
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
-    times = {name: [] for name in candidates}
-    for _ in range(rounds):
+    samples = {name: [] for name in candidates}
+    start = time.perf_counter()
+    for index in range(rounds):
         for name, fn in candidates.items():
-            start = time.perf_counter()
+            begin = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - start)
-    result = {}
-    for name, samples in times.items():
-        entry = {"median_s": statistics.median(samples)}
-        if baseline is not None:
-            ratios = [b / t for b, t in zip(times[baseline], samples)]
-            entry["ratio_to_baseline"] = statistics.median(ratios)
-        result[name] = entry
-    return result
+            samples[name].append(time.perf_counter() - begin)
+        if budget_s is not None and index >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return samples
+
+
+def median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of numerator / denominator: with times, > 1 means the denominator is faster."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 def gpu_median_seconds(fn: Callable[[], object]) -> float:
