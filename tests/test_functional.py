@@ -182,3 +182,18 @@ def test_package_imports_and_runs_without_the_extension():
                             env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr
     assert "torch.Size([1, 2, 3, 4])" in result.stdout
+
+
+def test_gradient_through_lse_of_hidden_rows_is_zero_not_nan(generator):
+    q, k, v = (randn(generator, 1, 2, 4, 8, dtype=torch.float64).requires_grad_() for _ in range(3))
+    mask = torch.zeros(4, 4, dtype=torch.float64)
+    mask[2] = float("-inf")
+    for backend in ("reference", None):
+        out, lse = fused_attn.attention(q, k, v, attn_mask=mask, return_lse=True, backend=backend)
+        grads = torch.autograd.grad(out.sum() + lse[lse.isfinite()].sum(), (q, k, v))
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert (grads[0][:, :, 2] == 0).all()
+    from fused_attn.backends.reference import attention as eager
+    out, lse = eager(q, k, v, mask)
+    grads = torch.autograd.grad(out.sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)

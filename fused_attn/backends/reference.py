@@ -40,11 +40,27 @@ def masked_scores(query, key, attn_mask=None, key_padding_mask=None, is_causal=F
     return scores
 
 
+def _rows_that_see_a_key(scores: torch.Tensor):
+    """(mask of rows with a visible key (…, 1), scores with the other rows zeroed).
+
+    Softmax and log-sum-exp of an all -inf row are NaN, and so are their gradients; computing them
+    on zeros and selecting afterwards keeps both the values and the gradients of such rows finite.
+    """
+    sees_a_key = scores.amax(dim=-1, keepdim=True) > float("-inf")
+    return sees_a_key, torch.where(sees_a_key, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+
+
 def probabilities(scores: torch.Tensor) -> torch.Tensor:
     """Row softmax of masked scores; a row that sees no key is all zeros (never NaN, also in backward)."""
-    sees_a_key = scores.amax(dim=-1, keepdim=True) > float("-inf")
-    safe_scores = torch.where(sees_a_key, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
+    sees_a_key, safe_scores = _rows_that_see_a_key(scores)
     return torch.where(sees_a_key, torch.softmax(safe_scores, dim=-1), 0.0)
+
+
+def log_sum_exp(scores: torch.Tensor) -> torch.Tensor:
+    """Row log-sum-exp in `lse_dtype`; -inf (with zero gradient) for a row that sees no key."""
+    sees_a_key, safe_scores = _rows_that_see_a_key(scores)
+    lse = torch.logsumexp(safe_scores.to(lse_dtype(scores.dtype)), dim=-1)
+    return torch.where(sees_a_key.squeeze(-1), lse, float("-inf"))
 
 
 def weighted_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -63,7 +79,7 @@ def attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causa
     the ones that multiplied the values.
     """
     scores = masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale)
-    lse = torch.logsumexp(scores.to(lse_dtype(scores.dtype)), dim=-1)
+    lse = log_sum_exp(scores)
     probs = probabilities(scores)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
