@@ -85,13 +85,14 @@ int main() {
 
 
 def build_flags() -> list[str]:
-    """The nvcc flags of the real build: setup.py's, plus those torch's BuildExtension adds to every
-    .cu file (no implicit half/bfloat16 conversions or operators, relaxed constexpr)."""
+    """The nvcc flags of the real build: setup.py's -O3, torch's C++ standard (C++20) and the flags
+    torch's BuildExtension adds to every .cu file (no implicit half/bfloat16 conversions or operators,
+    relaxed constexpr)."""
     try:
         from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
     except ImportError:
         COMMON_NVCC_FLAGS = []
-    return ["-std=c++17", "-O3", *COMMON_NVCC_FLAGS]
+    return ["-std=c++20", "-O3", *COMMON_NVCC_FLAGS]
 
 
 class ToolMissing(FileNotFoundError):
