@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         print()
 
     shapes = sweep.gpu_shapes(quick) if device.type == "cuda" else sweep.cpu_shapes(quick)
-    rounds = args.rounds or (3 if quick else 7)
+    rounds = args.rounds or (5 if quick else 7)
     rows = []
     for shape in tqdm(shapes, desc="benchmark", unit="shape", file=sys.stderr):
         rows.extend(sweep.measure_shape(shape, device, rounds=rounds))
