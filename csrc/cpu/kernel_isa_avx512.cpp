@@ -8,56 +8,8 @@
 #else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
 #endif
-// GCC enables the instructions after the pragma but leaves the feature macros that the vector and
-// Sleef headers test undefined, so they are defined here to match the pragma.
-#ifndef __SSE3__
-#define __SSE3__ 1
-#endif
-#ifndef __SSSE3__
-#define __SSSE3__ 1
-#endif
-#ifndef __SSE4_1__
-#define __SSE4_1__ 1
-#endif
-#ifndef __SSE4_2__
-#define __SSE4_2__ 1
-#endif
-#ifndef __POPCNT__
-#define __POPCNT__ 1
-#endif
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
-#ifndef __BMI__
-#define __BMI__ 1
-#endif
-#ifndef __BMI2__
-#define __BMI2__ 1
-#endif
-#ifndef __LZCNT__
-#define __LZCNT__ 1
-#endif
-#ifndef __AVX512F__
-#define __AVX512F__ 1
-#endif
-#ifndef __AVX512BW__
-#define __AVX512BW__ 1
-#endif
-#ifndef __AVX512VL__
-#define __AVX512VL__ 1
-#endif
-#ifndef __AVX512DQ__
-#define __AVX512DQ__ 1
-#endif
+#define FUSED_ATTN_ISA 512
+#include "isa_feature_macros.h"
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 #include "flash_kernel.h"
