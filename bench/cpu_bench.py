@@ -4,7 +4,9 @@ For every row, in one process with the same inputs and threads, the candidates r
 (one call each per round) and the table gives the median over rounds of the time ratio
 SDPA / cpu (> 1: the cpu backend is faster), the same ratio against the einsum reference, and the
 cpu backend's FLOP rate as a fraction of the machine's GEMM rate (a large torch.mm in the same
-dtype, timed interleaved with the rest). FLOPs: 4·B·H·L²·D, half for causal, ×3.5 forward+backward.
+dtype, timed right after each row's rounds, as many calls as the row had rounds: interleaved with
+the attention calls it would evict their inputs from the caches before whichever ran next).
+FLOPs: 4·B·H·L²·D, half for causal, ×3.5 forward+backward.
 
     python -m bench.cpu_bench [--dtypes fp32 bf16] [--modes fwd fwdbwd] [--rounds 7]
                               [--shapes quick|issue] [--no-reference] [--memory]
@@ -42,10 +44,10 @@ def bench_row(dtype, shape, causal, backward, rounds, budget_s, with_reference, 
         else ("cpu", "sdpa")
     implementations = sweep.implementations(torch.device("cpu"), problem)
     calls = {name: sweep.runner(implementations[name], q, k, v, causal, direction, grad) for name in wanted}
-    calls["gemm"] = gemm_call
     samples = timing.interleaved_samples(calls, rounds, budget_s=budget_s)
     ours = samples["cpu"]
-    gemm_rate = statistics.median(gemm_call.flops / t for t in samples["gemm"])
+    gemm_seconds = timing.interleaved_samples({"gemm": gemm_call}, len(ours))["gemm"]
+    gemm_rate = statistics.median(gemm_call.flops / t for t in gemm_seconds)
     gflops = problem.flops(direction) / statistics.median(ours) / 1e9
     return {
         "rounds": len(ours),

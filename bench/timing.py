@@ -1,8 +1,9 @@
 """Timing and memory measurement that holds up on noisy machines.
 
-CPU: the candidates are timed interleaved, one call each per round, so drift hits them alike; the
-result is the median time of each and the median over rounds of each candidate's time ratio to a
-baseline. GPU: `triton.testing.do_bench` (median), which synchronises and flushes the L2 cache.
+CPU: the candidates are timed interleaved, one call each per round, so drift hits them alike, and
+the order rotates from round to round, so each candidate follows each other one equally often (a
+call runs slower after one that evicted its data from the caches); the result is the median time
+of each and the median over rounds of each candidate's time ratio to a baseline. GPU: `triton.testing.do_bench` (median), which synchronises and flushes the L2 cache.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ def interleaved_samples(candidates: dict[str, Callable[[], object]], rounds: int
                         budget_s: float | None = None) -> dict[str, list[float]]:
     """{name: seconds of each call}: one call of each candidate per round, after `warmup` calls each.
 
-    With `budget_s`, stops after the round that exceeds it (but never before three rounds).
+    Round i starts with the (i mod n)-th candidate. With `budget_s`, stops after the round that
+    exceeds it (but never before three rounds).
     """
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
-    samples = {name: [] for name in candidates}
+    names = list(candidates)
+    samples = {name: [] for name in names}
     start = time.perf_counter()
     for index in range(rounds):
-        for name, fn in candidates.items():
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
             begin = time.perf_counter()
-            fn()
+            candidates[name]()
             samples[name].append(time.perf_counter() - begin)
         if budget_s is not None and index >= 2 and time.perf_counter() - start > budget_s:
             break

@@ -4,7 +4,7 @@ import csv
 
 import torch
 
-from bench import check, report, sweep
+from bench import check, report, sweep, timing
 
 
 def test_sweep_rows_csv_and_plot(tmp_path):
@@ -41,3 +41,11 @@ def test_flop_count():
     assert shape.flops("fwd") == 4 * 2 * 3 * 10 * 10 * 8
     causal = sweep.Shape(batch=2, heads=3, length=10, head_dim=8, causal=True, dtype=torch.float16)
     assert causal.flops("fwd+bwd") == 3.5 * shape.flops("fwd") / 2
+
+
+def test_interleaved_rounds_rotate_the_order():
+    calls = []
+    candidates = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    samples = timing.interleaved_samples(candidates, rounds=3, warmup=0)
+    assert calls == list("abc" "bca" "cab")
+    assert {name: len(times) for name, times in samples.items()} == {"a": 3, "b": 3, "c": 3}

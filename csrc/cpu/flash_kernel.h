@@ -348,21 +348,40 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
   return row_max_of(s, n);
 }
 
+// 2^t for t <= 0 (up to rounding), -inf included, for probabilities rounded to bf16/fp16 next.
+// The polynomial and the exponent-field construction of ATen's fexp_u20 (about 20 ulp), without
+// its range checks: t is never large, and the two clamps below send every t under -127 (-inf for
+// hidden keys among them) to exactly +0 through the bits of the result, not to NaN or garbage.
+inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
+  using V = Vectorized<float>;
+  t = at::vec::clamp_min(t, V(-127.f));  // floor(-inf) would make the fraction NaN
+  const V fraction = t - t.floor();
+  V correction = at::vec::fmadd(fraction, V(-0.079204240219773236f), V(-0.22433836478672356f));
+  correction = at::vec::fmadd(fraction, correction, V(0.30354260500649682f));
+  correction = at::vec::fmadd(fraction, correction, V(0.00010703434948458272f));
+  // (t - correction + 127) · 2^23 read as float bits is 2^t; below 2^-127 the bits would go
+  // negative, so they stop at 0, which reads as +0.
+  const V bits = at::vec::clamp_min(at::vec::fmadd(t - correction, V(8388608.f), V(1065353216.f)), V(0.f));
+  return at::vec::cast<float>(at::vec::convert_to_int_of_same_size(bits));
+}
+
 // out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
-// their sum. With kMayHide, s may hold -inf (hidden keys), which must give 0: the argument is
-// clamped to the lowest finite value first, where the polynomial exp returns 0. P meant for a
-// bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp (fexp_u20).
+// their sum. With kMayHide, s may hold -inf (hidden keys), which must give 0. P meant for a
+// bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp2_nonpositive,
+// with log2(e) folded into the scale and shift; float and double P take the accurate exp.
 template <bool kMayHide, typename acc_t, typename ct>
 acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
-  const V vscale(scale), vshift(-shift);
+  constexpr acc_t log2e = acc_t(1.4426950408889634);
+  const V vscale(kVnni<ct> ? scale * log2e : scale), vshift(kVnni<ct> ? -shift * log2e : -shift);
   const V lowest(std::numeric_limits<acc_t>::lowest());
   auto exp_of = [&](const V& x) {
-    V arg = at::vec::fmadd(x, vscale, vshift);
-    if constexpr (kMayHide) arg = at::vec::maximum(arg, lowest);
+    const V arg = at::vec::fmadd(x, vscale, vshift);
     if constexpr (kVnni<ct>) {
-      return arg.fexp_u20();
+      return exp2_nonpositive(arg);
+    } else if constexpr (kMayHide) {  // the polynomial exp returns 0 at the lowest finite value
+      return vexp(at::vec::maximum(arg, lowest));
     } else {
       return vexp(arg);
     }
@@ -499,7 +518,10 @@ void forward_impl(const Params& p) {
           const int64_t q0 = c0 + r0;
           const int64_t bq = std::min(BQ, rows - r0);
           if (p.causal && k0 > q0 + bq - 1) continue;  // no row of this query block sees these keys
-          gemm<ct, acc_t>(bq, bk, Dpad, qbuf + r0 * Dpad, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+          // Causal: the block's last query sees keys up to its own index, so the products stop there.
+          const int64_t width = p.causal ? std::min(bk, q0 + bq - k0) : bk;
+          const int64_t width_pad = vnni ? round_up(width, 2) : width;
+          gemm<ct, acc_t>(bq, width, Dpad, qbuf + r0 * Dpad, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
           for (int64_t r = 0; r < bq; ++r) {
             acc_t* srow = sbuf + r * bk;
             ct* prow = pbuf + r * ldp;
@@ -518,19 +540,19 @@ void forward_impl(const Params& p) {
             acc_t* l = row_sum + r0 + r;
             const acc_t m_new = std::max(*m, block_max);
             if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
-              std::fill(prow, prow + ldp, ct(0));
+              std::fill(prow, prow + width_pad, ct(0));
               continue;
             }
             // 0 when the old max is -inf; the common case of an unchanged max skips the exp.
             const acc_t alpha = *m == m_new ? acc_t(1) : std::exp(*m - m_new);
             const acc_t sum = plain_scores ? exp_row<false>(srow, visible, row_scale, m_new, prow)
                                            : exp_row<true>(srow, visible, row_scale, m_new, prow);
-            std::fill(prow + visible, prow + ldp, ct(0));
+            std::fill(prow + visible, prow + width_pad, ct(0));
             *l = *l * alpha + sum;
             *m = m_new;
             if (alpha != acc_t(1)) scale_row(obuf + (r0 + r) * Dv, Dv, alpha);
           }
-          gemm<ct, acc_t>(bq, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, true, p.use_brgemm);
+          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, true, p.use_brgemm);
         }
       }
 
