@@ -348,14 +348,19 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
   return row_max_of(s, n);
 }
 
-// 2^t for t <= 0 (up to rounding), -inf included, for probabilities rounded to bf16/fp16 next.
-// The polynomial and the exponent-field construction of ATen's fexp_u20 (about 20 ulp), without
-// its range checks: t is never large, and the two clamps below send every t under -127 (-inf for
-// hidden keys among them) to exactly +0 through the bits of the result, not to NaN or garbage.
+// 2^t for t <= 0 (up to rounding), for probabilities rounded to bf16/fp16 next. The polynomial
+// and the exponent-field construction of ATen's fexp_u20 (about 20 ulp), without its range checks:
+// t is never large, and every finite t under -127 gives exactly +0 through the clamp on the bits of
+// the result. With kMayBeInf, t may be -inf (a hidden key), which must give 0 too, not NaN.
+template <bool kMayBeInf>
 inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
   using V = Vectorized<float>;
-  t = at::vec::clamp_min(t, V(-127.f));  // floor(-inf) would make the fraction NaN
+  if constexpr (kMayBeInf) t = at::vec::clamp_min(t, V(-127.f));  // floor(-inf) makes the fraction NaN
+#if defined(CPU_CAPABILITY_AVX512)
+  const V fraction = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);  // t - floor(t) in one instruction
+#else
   const V fraction = t - t.floor();
+#endif
   V correction = at::vec::fmadd(fraction, V(-0.079204240219773236f), V(-0.22433836478672356f));
   correction = at::vec::fmadd(fraction, correction, V(0.30354260500649682f));
   correction = at::vec::fmadd(fraction, correction, V(0.00010703434948458272f));
@@ -379,7 +384,7 @@ acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   auto exp_of = [&](const V& x) {
     const V arg = at::vec::fmadd(x, vscale, vshift);
     if constexpr (kVnni<ct>) {
-      return exp2_nonpositive(arg);
+      return exp2_nonpositive<kMayHide>(arg);
     } else if constexpr (kMayHide) {  // the polynomial exp returns 0 at the lowest finite value
       return vexp(at::vec::maximum(arg, lowest));
     } else {
@@ -430,10 +435,20 @@ inline void scale_row(T* x, int64_t n, T factor) {
   if (j < n) (V::loadu(x + j, n - j) * f).store(x + j, n - j);
 }
 
-// Writes acc values, times `factor`, to a strided row of the output type.
+// Writes acc values, times `factor`, to a strided row of the output type; src is scratch.
 template <typename st, typename acc_t>
-inline void store_row(st* dst, int64_t stride, const acc_t* src, int64_t n, acc_t factor) {
-  for (int64_t j = 0; j < n; ++j) dst[j * stride] = static_cast<st>(src[j] * factor);
+inline void store_row(st* dst, int64_t stride, acc_t* src, int64_t n, acc_t factor) {
+  if (stride == 1) {
+    scale_row(src, n, factor);
+    at::vec::convert(src, dst, n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j * stride] = static_cast<st>(src[j] * factor);
+  }
+}
+
+template <typename T>
+inline void log_in_place(T* x, int64_t n) {
+  at::vec::map([](Vectorized<T> v) { return v.log(); }, x, x, n);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -502,10 +517,12 @@ void forward_impl(const Params& p) {
       pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], rows, D);
       std::fill(row_max, row_max + rows, neg_inf<acc_t>());
       std::fill(row_sum, row_sum + rows, acc_t(0));
-      std::fill(obuf, obuf + rows * Dv, acc_t(0));
 
       // Causal: query i sees keys j <= i, so these rows need keys below c0 + rows only.
       const int64_t k_end = p.causal ? std::min(Lk, c0 + rows) : Lk;
+      // Every query block meets the key block at 0 first, whose P·V writes the accumulator instead
+      // of adding to it; only without keys is there nothing to write it.
+      if (k_end == 0) std::fill(obuf, obuf + rows * Dv, acc_t(0));
       for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
         const int64_t bk = std::min(BK, k_end - k0);
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
@@ -543,8 +560,9 @@ void forward_impl(const Params& p) {
               std::fill(prow, prow + width_pad, ct(0));
               continue;
             }
-            // 0 when the old max is -inf; the common case of an unchanged max skips the exp.
-            const acc_t alpha = *m == m_new ? acc_t(1) : std::exp(*m - m_new);
+            // The first key block has no accumulator to rescale (its product overwrites it); after
+            // that, 0 when the old max is -inf, and an unchanged max skips the exp.
+            const acc_t alpha = k0 == 0 || *m == m_new ? acc_t(1) : std::exp(*m - m_new);
             const acc_t sum = plain_scores ? exp_row<false>(srow, visible, row_scale, m_new, prow)
                                            : exp_row<true>(srow, visible, row_scale, m_new, prow);
             std::fill(prow + visible, prow + width_pad, ct(0));
@@ -552,7 +570,7 @@ void forward_impl(const Params& p) {
             *m = m_new;
             if (alpha != acc_t(1)) scale_row(obuf + (r0 + r) * Dv, Dv, alpha);
           }
-          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, true, p.use_brgemm);
+          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, k0 > 0, p.use_brgemm);
         }
       }
 
@@ -561,8 +579,11 @@ void forward_impl(const Params& p) {
         const bool seen = row_sum[r] > acc_t(0);
         scalar_t* o_row = O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2];
         store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, seen ? acc_t(1) / row_sum[r] : acc_t(0));
-        LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]] =
-            seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<lse_t>();
+      }
+      log_in_place(row_sum, rows);  // log 0 = -inf: the lse of a row that saw no key
+      for (int64_t r = 0; r < rows; ++r) {
+        LSE[b * p.lse.s[0] + h * p.lse.s[1] + (c0 + r) * p.lse.s[2]] =
+            row_sum[r] == neg_inf<acc_t>() ? neg_inf<lse_t>() : row_max[r] + row_sum[r];
       }
     }
     if (vnni || (std::is_same_v<ct, float> && p.use_brgemm)) at::native::cpublas::brgemm_release(vnni);
