@@ -482,7 +482,11 @@ void forward_impl(const Params& p) {
   const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
   const acc_t scale = static_cast<acc_t>(p.scale);
   const bool plain_scores = p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && scale > 0;
-  const size_t scratch_bytes = Scratch::bytes<ct>(rows_per_item * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
+  // Query rows that already are the A operand of S = Q Kᵀ (the operand type, contiguous along D,
+  // no padding column) feed it in place, at their own row stride; others are packed per item.
+  const bool q_in_place = std::is_same_v<scalar_t, ct> && p.query.s[3] == 1 && Dpad == D && p.query.s[2] >= D;
+  const size_t scratch_bytes = (q_in_place ? 0 : Scratch::bytes<ct>(rows_per_item * Dpad)) +
+                               Scratch::bytes<ct>(Dpad * BK) +
                                Scratch::bytes<ct>(BKpad * Dv) + Scratch::bytes<acc_t>(BQ * BK) +
                                (separate_p ? Scratch::bytes<ct>(BQ * BKpad) : 0) +
                                Scratch::bytes<acc_t>(rows_per_item * Dv) +
@@ -495,7 +499,7 @@ void forward_impl(const Params& p) {
 
   at::parallel_for(0, p.batch * p.heads_q * chunks, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(scratch_bytes);
-    ct* qbuf = scratch.take<ct>(rows_per_item * Dpad);
+    ct* qbuf = q_in_place ? nullptr : scratch.take<ct>(rows_per_item * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* vbuf = scratch.take<ct>(BKpad * Dv);
     acc_t* sbuf = scratch.take<acc_t>(BQ * BK);
@@ -514,7 +518,14 @@ void forward_impl(const Params& p) {
       const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + c0 * p.query.s[2];
       const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
       const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
-      pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], rows, D);
+      const ct* q_rows = qbuf;
+      int64_t ldq = Dpad;
+      if (q_in_place) {
+        q_rows = reinterpret_cast<const ct*>(q_ptr);
+        ldq = p.query.s[2];
+      } else {
+        pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], rows, D);
+      }
       std::fill(row_max, row_max + rows, neg_inf<acc_t>());
       std::fill(row_sum, row_sum + rows, acc_t(0));
 
@@ -538,7 +549,7 @@ void forward_impl(const Params& p) {
           // Causal: the block's last query sees keys up to its own index, so the products stop there.
           const int64_t width = p.causal ? std::min(bk, q0 + bq - k0) : bk;
           const int64_t width_pad = vnni ? round_up(width, 2) : width;
-          gemm<ct, acc_t>(bq, width, Dpad, qbuf + r0 * Dpad, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+          gemm<ct, acc_t>(bq, width, Dpad, q_rows + r0 * ldq, ldq, kbuf, bk, sbuf, bk, false, p.use_brgemm);
           for (int64_t r = 0; r < bq; ++r) {
             acc_t* srow = sbuf + r * bk;
             ct* prow = pbuf + r * ldp;
