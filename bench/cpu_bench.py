@@ -8,7 +8,7 @@ dtype, timed right after each row's rounds, as many calls as the row had rounds:
 the attention calls it would evict their inputs from the caches before whichever ran next).
 FLOPs: 4·B·H·L²·D, half for causal, ×3.5 forward+backward.
 
-    python -m bench.cpu_bench [--dtypes fp32 bf16] [--modes fwd fwdbwd] [--rounds 7]
+    python -m bench.cpu_bench [--dtypes fp32 bf16] [--modes fwd fwdbwd] [--rounds 21]
                               [--shapes quick|issue] [--no-reference] [--memory]
 """
 
@@ -139,7 +139,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--modes", nargs="+", choices=("fwd", "fwdbwd"), default=["fwd", "fwdbwd"])
     parser.add_argument("--shapes", choices=("quick", "issue"), default="issue")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per row (at most)")
+    parser.add_argument("--rounds", type=int, default=21, help="interleaved rounds per row (at most)")
     parser.add_argument("--budget", type=float, default=30.0, help="seconds per row before stopping early")
     parser.add_argument("--no-reference", action="store_true", help="skip the einsum reference")
     parser.add_argument("--memory", action="store_true", help="also measure the memory target")

@@ -118,8 +118,8 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
             dropout_p > 0.0 or problem.mask_requires_grad or query.numel() == 0 or key.numel() == 0):
         return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale,
                                    float(dropout_p))
-    return ops.attention_fwd(query, key, value, mask, key_padding_mask, is_causal, scale, seq_first,
-                             chosen.name)
+    return ops.attention(query, key, value, mask, key_padding_mask, is_causal, scale, seq_first,
+                         chosen.name)
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -107,13 +107,13 @@ def test_split_heads_reads_a_packed_projection_in_place(generator, batch_first, 
     packed = randn(generator, *shape)
     q, k, v = packed.chunk(3, dim=-1)
     seen = []
-    original = ops.attention_fwd
+    original = ops.attention
 
     def spy(query, key, value, *args):
         seen.extend(t.untyped_storage().data_ptr() for t in (query, key, value))
         return original(query, key, value, *args)
 
-    monkeypatch.setattr(ops, "attention_fwd", spy)
+    monkeypatch.setattr(ops, "attention", spy)
     merged = fused_attn.split_heads_attention(q, k, v, heads, is_causal=True, batch_first=batch_first)
     assert set(seen) == {packed.untyped_storage().data_ptr()}
     assert merged.is_contiguous() and merged.shape == q.shape

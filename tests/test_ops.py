@@ -75,3 +75,30 @@ def test_compiled_module_has_no_graph_breaks(compiler):
     torch.testing.assert_close(got, expected)
     got.sum().backward()
     assert module.in_proj_weight.grad is not None
+
+
+def test_the_op_is_skipped_only_where_it_has_nothing_to_do(monkeypatch):
+    """Plain eager calls without a gradient to record run the op's body directly, with the same
+    result; calls that record autograd, and calls on tensor subclasses, go through the op."""
+    entered = []
+    original = ops.attention_fwd
+
+    def counting(*args):
+        entered.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(ops, "attention_fwd", counting)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=generator) for _ in range(3))
+    direct = fused_attn.attention(q, k, v, is_causal=True, backend="reference")
+    with torch.no_grad():
+        fused_attn.attention(q.requires_grad_(), k, v, backend="reference")
+    assert entered == []
+
+    recorded = fused_attn.attention(q, k, v, is_causal=True, backend="reference")
+    assert entered == ["reference"] and recorded.grad_fn is not None
+    torch.testing.assert_close(recorded, direct, rtol=0, atol=0)
+
+    with torch.no_grad():
+        fused_attn.attention(torch.nn.Parameter(k), k, v, backend="reference")
+    assert entered == ["reference", "reference"]
