@@ -1,9 +1,10 @@
 """Timing and memory measurement that holds up on noisy machines.
 
 CPU: the candidates are timed interleaved, one call each per round, so drift hits them alike, and
-the order rotates from round to round, so each candidate follows each other one equally often (a
-call runs slower after one that evicted its data from the caches); the result is the median time
-of each and the median over rounds of each candidate's time ratio to a baseline. GPU: `triton.testing.do_bench` (median), which synchronises and flushes the L2 cache.
+the order rotates from round to round, so each candidate takes each place in the round equally
+often; with two candidates, each follows the other in half of the calls (a call runs slower after
+one that evicted its data from the caches). The result is the median time of each and the median
+over rounds of each candidate's time ratio to a baseline. GPU: `triton.testing.do_bench` (median), which synchronises and flushes the L2 cache.
 """
 
 from __future__ import annotations

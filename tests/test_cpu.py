@@ -220,6 +220,31 @@ def test_fully_hidden_rows_give_zero_output_minus_inf_lse_zero_gradients(generat
     assert all(torch.all(grad == 0) for grad in grads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_with_extreme_maxima_meet_criterion(generator, small_blocks, dtype):
+    """Row maxima far from 0: an additive mask at the dtype's lowest value (as many models build
+    their masks) and logits in the hundreds. bf16/fp16 P are then computed with x·scale − max formed
+    before the change of base, not folded into one product. The backward is checked where the
+    lse can hold log(row sum) next to the max: not for rows whose every score is at the lowest value
+    (there the lse rounds to the max itself; see the README)."""
+    q, k, v = (torch.randn(2, 2, 30, 16, generator=generator).to(dtype) for _ in range(3))
+    lowest = torch.finfo(dtype).min
+    partly = torch.zeros(2, 1, 30, 30, dtype=dtype)
+    partly[..., 7, 5:] = lowest
+    wholly = partly.clone()
+    wholly[..., 4, :] = lowest
+    sharp_q = (q.double() * 60).to(dtype)  # scores of a few hundred after scaling
+    for query, attn_mask, backward in ((q, wholly, False), (q, partly, True), (sharp_q, None, True)):
+        attn_mask = None if attn_mask is None else attn_mask.expand(2, 2, 30, 30)
+        out, lse = flash_forward(query, k, v, attn_mask, None, False, None, testing.nan_filled_like(query))
+        results, grad_out = testing.Results(out, lse), None
+        if backward:
+            grad_out = torch.randn(out.shape, generator=generator).to(dtype)
+            results = testing.Results(out, lse, *flash_backward(query, k, v, attn_mask, None, False, None,
+                                                                out, lse, grad_out))
+        testing.check_against_reference(results, query, k, v, grad_out, attn_mask=attn_mask)
+
+
 def test_no_keys_and_empty_batch(generator):
     q = torch.randn(2, 2, 5, 4, generator=generator)
     k = torch.randn(2, 2, 0, 4)

@@ -348,17 +348,17 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
   return row_max_of(s, n);
 }
 
-// 2^t for t <= 0 (up to rounding), for probabilities rounded to bf16/fp16 next. The polynomial
-// and the exponent-field construction of ATen's fexp_u20 (about 20 ulp), without its range checks:
-// t is never large, and every finite t under -127 gives exactly +0 through the clamp on the bits of
-// the result. With kMayBeInf, t may be -inf (a hidden key), which must give 0 too, not NaN.
-template <bool kMayBeInf>
+// 2^t for t <= 0 (up to rounding) and -inf, for probabilities rounded to bf16/fp16 next: ATen's
+// fexp_u20 (its polynomial, ~1e-4 relative error, and its construction of the exponent field)
+// without its range checks, which t never needs: every t under -127, -inf included, gives
+// exactly +0 through the clamp on the bits of the result.
 inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
   using V = Vectorized<float>;
-  if constexpr (kMayBeInf) t = at::vec::clamp_min(t, V(-127.f));  // floor(-inf) makes the fraction NaN
 #if defined(CPU_CAPABILITY_AVX512)
-  const V fraction = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);  // t - floor(t) in one instruction
+  // t - floor(t) in one instruction, which also maps -inf to 0 (and the bits below to -inf, so +0).
+  const V fraction = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);
 #else
+  t = at::vec::clamp_min(t, V(-127.f));  // floor(-inf) would make the fraction NaN
   const V fraction = t - t.floor();
 #endif
   V correction = at::vec::fmadd(fraction, V(-0.079204240219773236f), V(-0.22433836478672356f));
@@ -373,18 +373,21 @@ inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
 // out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
 // their sum. With kMayHide, s may hold -inf (hidden keys), which must give 0. P meant for a
 // bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp2_nonpositive,
-// with log2(e) folded into the scale and shift; float and double P take the accurate exp.
-template <bool kMayHide, typename acc_t, typename ct>
-acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
+// and with kFoldLog2e, log2(e) rides in the scale and shift (one multiply-add for x·scale − shift
+// and the change of base); float and double P take ATen's exp_u20 and std::exp.
+template <bool kMayHide, bool kFoldLog2e, typename acc_t, typename ct>
+acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   constexpr acc_t log2e = acc_t(1.4426950408889634);
-  const V vscale(kVnni<ct> ? scale * log2e : scale), vshift(kVnni<ct> ? -shift * log2e : -shift);
+  const V vscale(kFoldLog2e ? scale * log2e : scale), vshift(kFoldLog2e ? -shift * log2e : -shift);
   const V lowest(std::numeric_limits<acc_t>::lowest());
   auto exp_of = [&](const V& x) {
     const V arg = at::vec::fmadd(x, vscale, vshift);
-    if constexpr (kVnni<ct>) {
-      return exp2_nonpositive<kMayHide>(arg);
+    if constexpr (kFoldLog2e) {
+      return exp2_nonpositive(arg);
+    } else if constexpr (kVnni<ct>) {
+      return exp2_nonpositive(arg * V(log2e));
     } else if constexpr (kMayHide) {  // the polynomial exp returns 0 at the lowest finite value
       return vexp(at::vec::maximum(arg, lowest));
     } else {
@@ -415,14 +418,27 @@ acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
       at::vec::convert(s + j, out + j, 2 * W);
     }
   }
-  for (; j < n; j += W) {
+  for (; j < n; j += W) {  // the lanes past n hold -inf, whose exp is 0
     const int64_t count = std::min<int64_t>(W, n - j);
-    const V e = exp_of(V::loadu(s + j, count));
+    const V e = exp_of(V::set(V(neg_inf<acc_t>()), V::loadu(s + j, count), count));
+    sum0 = sum0 + e;
     e.store(s + j, count);
-    sum0 = sum0 + V::loadu(s + j, count);  // loadu with a count zero-fills the lanes past n
     at::vec::convert(s + j, out + j, count);
   }
   return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, sum0 + sum1);
+}
+
+// exp_row_pass with log2(e) folded into the multiply-add wherever that is exact enough: for
+// bf16/fp16 P and a shift (the row max) of at most 256 in magnitude, where the rounding of
+// shift·log2(e) moves P by under 4e-5 relative. Larger shifts, such as rows fully masked by an
+// additive mask at the dtype's lowest value, form the difference first: folded, the rounding of
+// shift·log2(e) would swamp it, or overflow.
+template <bool kMayHide, typename acc_t, typename ct>
+acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
+  if constexpr (kVnni<ct>) {
+    if (std::abs(shift) <= acc_t(256)) return exp_row_pass<kMayHide, true>(s, n, scale, shift, out);
+  }
+  return exp_row_pass<kMayHide, false>(s, n, scale, shift, out);
 }
 
 template <typename T>
