@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch.autograd import forward_ad
 
 from . import ops
 from .backends import reference, registry
@@ -118,8 +119,19 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
             dropout_p > 0.0 or problem.mask_requires_grad or query.numel() == 0 or key.numel() == 0):
         return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale,
                                    float(dropout_p))
+    _refuse_forward_mode_ad(query=query, key=key, value=value, attn_mask=mask)
     return ops.attention(query, key, value, mask, key_padding_mask, is_causal, scale, seq_first,
                          chosen.name)
+
+
+def _refuse_forward_mode_ad(**tensors) -> None:
+    """The ops have a backward but no forward-mode derivative; without this check a tangent would be
+    dropped silently (a zero jvp)."""
+    if forward_ad._current_level >= 0:
+        for name, tensor in tensors.items():
+            if tensor is not None and forward_ad.unpack_dual(tensor).tangent is not None:
+                raise NotImplementedError(f"{name}: forward-mode AD (a dual tensor, as in torch.func.jvp) "
+                                          "is not supported; use reverse mode (backward, vjp) instead")
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -1,4 +1,5 @@
-"""Every input that breaks the contract gets a ValueError/TypeError naming the argument."""
+"""Every input that breaks the contract gets a ValueError/TypeError naming the argument (NotImplementedError
+ for what no kernel does)."""
 
 import pytest
 import torch
@@ -68,6 +69,24 @@ def test_attention_rejects(arguments, error, text):
     with pytest.raises(error) as raised:
         fused_attn.attention(**arguments)
     assert text in str(raised.value)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func's import
+def test_forward_mode_ad_is_refused_not_dropped():
+    """The ops have no forward-mode derivative: a jvp must raise, not return a zero tangent."""
+    import torch.autograd.forward_ad as forward_ad
+
+    tensors = qkv()
+    with forward_ad.dual_level():
+        dual_key = forward_ad.make_dual(tensors["key"], torch.randn(B, H, L, D))
+        with pytest.raises(NotImplementedError, match="key: forward-mode AD"):
+            fused_attn.attention(**dict(tensors, key=dual_key))
+
+    def of_query(query):
+        return fused_attn.attention(**dict(tensors, query=query))
+
+    with pytest.raises(NotImplementedError, match="query: forward-mode AD"):
+        torch.func.jvp(of_query, (tensors["query"],), (torch.randn(B, H, L, D),))
 
 
 SPLIT_ERRORS = [
