@@ -314,6 +314,12 @@ acc_t row_max_of(const acc_t* s, int64_t n) {
   return mx;
 }
 
+// Whether the scores need nothing but the scale, which the exp can then apply (a positive scale
+// keeps the row max of the unscaled scores).
+inline bool scores_are_plain(const Params& p) {
+  return p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && p.scale > 0;
+}
+
 // Scaled, masked scores of one row: s[j] = s[j]*scale (+ bias, or -inf where hidden), j < n.
 // Returns the row maximum.
 template <typename acc_t, typename scalar_t>
@@ -371,25 +377,22 @@ inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
 }
 
 // out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
-// their sum. With kMayHide, s may hold -inf (hidden keys), which must give 0. P meant for a
+// their sum. s may hold -inf (hidden keys), which gives 0 in every exp below. P meant for a
 // bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp2_nonpositive,
 // and with kFoldLog2e, log2(e) rides in the scale and shift (one multiply-add for x·scale − shift
 // and the change of base); float and double P take ATen's exp_u20 and std::exp.
-template <bool kMayHide, bool kFoldLog2e, typename acc_t, typename ct>
+template <bool kFoldLog2e, typename acc_t, typename ct>
 acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   constexpr acc_t log2e = acc_t(1.4426950408889634);
   const V vscale(kFoldLog2e ? scale * log2e : scale), vshift(kFoldLog2e ? -shift * log2e : -shift);
-  const V lowest(std::numeric_limits<acc_t>::lowest());
   auto exp_of = [&](const V& x) {
     const V arg = at::vec::fmadd(x, vscale, vshift);
     if constexpr (kFoldLog2e) {
       return exp2_nonpositive(arg);
     } else if constexpr (kVnni<ct>) {
       return exp2_nonpositive(arg * V(log2e));
-    } else if constexpr (kMayHide) {  // the polynomial exp returns 0 at the lowest finite value
-      return vexp(at::vec::maximum(arg, lowest));
     } else {
       return vexp(arg);
     }
@@ -433,22 +436,17 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
 // shift·log2(e) moves P by under 4e-5 relative. Larger shifts, such as rows fully masked by an
 // additive mask at the dtype's lowest value, form the difference first: folded, the rounding of
 // shift·log2(e) would swamp it, or overflow.
-template <bool kMayHide, typename acc_t, typename ct>
+template <typename acc_t, typename ct>
 acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   if constexpr (kVnni<ct>) {
-    if (std::abs(shift) <= acc_t(256)) return exp_row_pass<kMayHide, true>(s, n, scale, shift, out);
+    if (std::abs(shift) <= acc_t(256)) return exp_row_pass<true>(s, n, scale, shift, out);
   }
-  return exp_row_pass<kMayHide, false>(s, n, scale, shift, out);
+  return exp_row_pass<false>(s, n, scale, shift, out);
 }
 
 template <typename T>
 inline void scale_row(T* x, int64_t n, T factor) {
-  using V = Vectorized<T>;
-  constexpr int64_t W = V::size();
-  const V f(factor);
-  int64_t j = 0;
-  for (; j + W <= n; j += W) (V::loadu(x + j) * f).store(x + j);
-  if (j < n) (V::loadu(x + j, n - j) * f).store(x + j, n - j);
+  at::vec::map([factor](Vectorized<T> v) { return v * Vectorized<T>(factor); }, x, x, n);
 }
 
 // Writes acc values, times `factor`, to a strided row of the output type; src is scratch.
@@ -497,7 +495,7 @@ void forward_impl(const Params& p) {
   const int64_t Dpad = vnni ? round_up(D, 2) : D;
   const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  const bool plain_scores = p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && scale > 0;
+  const bool plain_scores = scores_are_plain(p);
   // Query rows that already are the A operand of S = Q Kᵀ (the operand type, contiguous along D,
   // no padding column) feed it in place, at their own row stride; others are packed per item.
   const bool q_in_place = std::is_same_v<scalar_t, ct> && p.query.s[3] == 1 && Dpad == D && p.query.s[2] >= D;
@@ -590,8 +588,7 @@ void forward_impl(const Params& p) {
             // The first key block has no accumulator to rescale (its product overwrites it); after
             // that, 0 when the old max is -inf, and an unchanged max skips the exp.
             const acc_t alpha = k0 == 0 || *m == m_new ? acc_t(1) : std::exp(*m - m_new);
-            const acc_t sum = plain_scores ? exp_row<false>(srow, visible, row_scale, m_new, prow)
-                                           : exp_row<true>(srow, visible, row_scale, m_new, prow);
+            const acc_t sum = exp_row(srow, visible, row_scale, m_new, prow);
             std::fill(prow + visible, prow + width_pad, ct(0));
             *l = *l * alpha + sum;
             *m = m_new;
@@ -698,7 +695,7 @@ void backward_impl(const Params& p) {
       2 * Scratch::bytes<ct>(BK * BQpad) + Scratch::bytes<ct>(BQ * BKpad) +
       Scratch::bytes<acc_t>(BK * D) + Scratch::bytes<acc_t>(BK * Dv) +
       Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(BK * BQpad);
-  const bool plain_scores = p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && scale > 0;
+  const bool plain_scores = scores_are_plain(p);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
   const auto* Vt = static_cast<const scalar_t*>(p.value.data);
@@ -779,12 +776,9 @@ void backward_impl(const Params& p) {
               // A row that saw no key has lse -inf; +inf makes every P of it 0.
               if (lse == neg_inf<acc_t>()) lse = std::numeric_limits<acc_t>::infinity();
               const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
-              if (plain_scores) {
-                exp_row<false>(srow, visible, scale, lse, srow);  // srow now holds P
-              } else {
-                prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
-                exp_row<true>(srow, visible, acc_t(1), lse, srow);
-              }
+              // Scores are scaled inside the exp when nothing else applies; srow then holds P.
+              if (!plain_scores) prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
+              exp_row(srow, visible, plain_scores ? scale : acc_t(1), lse, srow);
               grad_scores(srow, dprow, visible, d);  // dprow now holds dS
               std::fill(srow + visible, srow + bk, acc_t(0));
               std::fill(dprow + visible, dprow + bk, acc_t(0));
