@@ -29,10 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from .gpu_binaries import SASS_INSTRUCTION, ToolMissing, find_cuobjdump, resource_problems
+
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = ROOT / "csrc" / "cuda"
 TARGETS = ("sm_80", "sm_90")
-SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 MAX_REGISTERS = 255  # per thread; __launch_bounds__(128, 1) lets ptxas use all of them
 TENSOR_CORE_PREFIXES = ("HMMA", "HGMMA")
 DTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32"}
@@ -95,10 +96,6 @@ def build_flags() -> list[str]:
     return ["-std=c++20", "-O3", *COMMON_NVCC_FLAGS]
 
 
-class ToolMissing(FileNotFoundError):
-    """nvcc (or cuobjdump) is not installed here; the message says which."""
-
-
 def find_nvcc() -> str:
     candidates = [shutil.which("nvcc")]
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
@@ -108,20 +105,6 @@ def find_nvcc() -> str:
         if candidate and Path(candidate).is_file():
             return candidate
     raise ToolMissing("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
-
-
-def find_cuobjdump(nvcc: str) -> str:
-    """cuobjdump next to nvcc, on PATH, or the one shipped in the Triton wheel."""
-    candidates = [str(Path(nvcc).resolve().parent / "cuobjdump"), shutil.which("cuobjdump")]
-    try:
-        import triton
-        candidates.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"))
-    except ImportError:
-        pass
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file():
-            return candidate
-    raise ToolMissing("cuobjdump not found (next to nvcc, on PATH, or in the triton wheel)")
 
 
 def _parse_mangled(name: str) -> tuple[str, str, int | None] | None:
@@ -169,7 +152,7 @@ def parse_sass(sass: str) -> dict:
         if match:
             current = counts.setdefault(match.group(1), {})
             continue
-        match = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        match = SASS_INSTRUCTION.match(line)
         if match and current is not None and match.group(1).startswith(TENSOR_CORE_PREFIXES):
             current[match.group(1)] = current.get(match.group(1), 0) + 1
     return counts
@@ -200,15 +183,9 @@ def _row(target, identity, config, resources, tensor_cores) -> dict:
         "shared_bytes": resources["static_shared_bytes"] + dynamic,
         "tensor_core_instructions": tensor_cores,
     }
-    problems = []
-    if row["spill_bytes"]:
-        problems.append(f"spills {row['spill_bytes']} bytes to local memory")
-    if row["stack_bytes"]:
-        problems.append(f"uses a {row['stack_bytes']}-byte stack frame")
+    problems = resource_problems(target, row["spill_bytes"], row["stack_bytes"], row["shared_bytes"])
     if row["registers"] > MAX_REGISTERS:
         problems.append(f"{row['registers']} registers > {MAX_REGISTERS}")
-    if row["shared_bytes"] > SHARED_MEMORY_LIMIT[target]:
-        problems.append(f"{row['shared_bytes']} bytes of shared memory > {SHARED_MEMORY_LIMIT[target]} on {target}")
     uses_tensor_cores = sum(tensor_cores.values()) > 0
     if kernel in MATMUL_KERNELS and dtype != "float" and not uses_tensor_cores:
         problems.append("no tensor-core instruction in an fp16/bf16 tile-product kernel")

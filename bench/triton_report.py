@@ -29,9 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import gpu_binaries
+
 TARGETS = {"sm_80": 80, "sm_90": 90}
 TENSOR_CORE_PREFIX = {"sm_80": "HMMA", "sm_90": "HGMMA"}
-SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
@@ -57,11 +58,6 @@ def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1
         if done.returncode != 0:
             raise RuntimeError(f"bench.triton_report failed ({done.returncode}):\n{done.stderr[-4000:]}")
         return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
-def _cuobjdump() -> str:
-    import triton
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
 
 def _signature(fn, args, constexprs):
@@ -114,7 +110,7 @@ def _representative_call(kernel, dtype_name, head_dim, causal):
 
 
 def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool) -> dict:
-    tool = _cuobjdump()
+    tool = gpu_binaries.find_cuobjdump()
     usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
     sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True, text=True,
@@ -124,7 +120,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool)
         found = re.search(rf"\b{name}:(\d+)", usage)
         return int(found.group(1)) if found else 0
 
-    opcodes = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE)
+    opcodes = gpu_binaries.SASS_INSTRUCTION.findall(sass)
     tensor_core = {}
     local_accesses = 0
     for opcode in opcodes:
@@ -141,18 +137,13 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool)
         "tensor_core_instructions": tensor_core,
         "instructions": len(opcodes),
     }
-    problems = []
+    problems = gpu_binaries.resource_problems(target, row["spill_bytes"], row["stack_bytes"], row["shared_bytes"],
+                                              local_accesses)
     if not opcodes:
         problems.append("no SASS instructions found in the cubin")
-    if local_accesses or row["spill_bytes"]:
-        problems.append(f"register spills: {local_accesses} local loads/stores, {row['spill_bytes']} bytes local")
-    if row["stack_bytes"]:
-        problems.append(f"stack frame of {row['stack_bytes']} bytes")
     prefix = TENSOR_CORE_PREFIX[target]
     if needs_tensor_cores and not any(op.split(".")[0] == prefix for op in tensor_core):
         problems.append(f"no {prefix} instructions (found {sorted(tensor_core) or 'none'})")
-    if row["shared_bytes"] > SHARED_MEMORY_LIMIT[target]:
-        problems.append(f"shared memory {row['shared_bytes']} B > {SHARED_MEMORY_LIMIT[target]} B")
     row["problems"] = problems
     return row
 

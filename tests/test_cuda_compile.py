@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from bench import cuda_report
+from bench import cuda_report, gpu_binaries
 
 HEADER = cuda_report.KERNEL_DIR / "flash_kernels.cuh"
 
@@ -29,9 +29,9 @@ def shipped_instances() -> set[tuple[str, int]]:
 @pytest.fixture(scope="module")
 def report_rows(static_gpu_report):
     try:
-        cuda_report.find_nvcc()
-    except cuda_report.ToolMissing as missing:
-        pytest.skip(f"nvcc is not installed: {missing}")
+        gpu_binaries.find_cuobjdump(cuda_report.find_nvcc())
+    except gpu_binaries.ToolMissing as missing:
+        pytest.skip(f"the CUDA tools are not installed: {missing}")
     if "cuda" in static_gpu_report.missing:
         pytest.fail(f"bench.inspect could not compile the CUDA kernels:\n{static_gpu_report.stderr[-4000:]}")
     return static_gpu_report.of("cuda")
@@ -66,7 +66,7 @@ def test_registers_within_launch_bounds(report_rows):
 
 def test_shared_memory_within_target_limits(report_rows):
     assert not _offenders(report_rows,
-                          lambda r: r["shared_bytes"] > cuda_report.SHARED_MEMORY_LIMIT[r["target"]])
+                          lambda r: r["shared_bytes"] > gpu_binaries.SHARED_MEMORY_LIMIT[r["target"]])
     # Also within the 99 KB of sm_86/sm_89, the other default target architectures.
     assert not _offenders(report_rows, lambda r: r["shared_bytes"] > 99 * 1024)
 
@@ -98,7 +98,7 @@ def test_torch_glue_compiles():
     """flash_cuda.cu (TORCH_LIBRARY_IMPL, launches) against this torch's headers, for sm_80."""
     try:
         cuda_report.find_nvcc()
-    except cuda_report.ToolMissing as missing:
+    except gpu_binaries.ToolMissing as missing:
         pytest.skip(f"nvcc is not installed: {missing}")
     log = cuda_report.compile_glue("sm_80")
     assert "Compiling entry function" in log

@@ -4,27 +4,24 @@ fits). The per-kernel judgements are in tests/test_triton_compile.py and tests/t
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
-from bench import cuda_report, inspect, triton_report
+from bench import cuda_report, gpu_binaries, inspect, triton_report
 
 
 def _expected_backends() -> list[str]:
-    """The backends whose tools are installed here: Triton with the cuobjdump of its wheel, nvcc."""
+    """The backends whose tools are installed here: Triton and cuobjdump; nvcc and cuobjdump."""
     expected = []
     try:
-        import triton
-
-        if (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-            expected.append("triton")
-    except ImportError:
+        gpu_binaries.find_cuobjdump()
+        expected.append("triton")
+    except gpu_binaries.ToolMissing:
         pass
     try:
-        cuda_report.find_nvcc()
+        gpu_binaries.find_cuobjdump(cuda_report.find_nvcc())
         expected.append("cuda")
-    except cuda_report.ToolMissing:
+    except gpu_binaries.ToolMissing:
         pass
     return expected
 

@@ -12,18 +12,18 @@ about 75 s on this 2-core machine, plus the CUDA report that tests/test_cuda_com
 from __future__ import annotations
 
 import itertools
-import shutil
-from pathlib import Path
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
-from bench import triton_report  # noqa: E402
+from bench import gpu_binaries, triton_report  # noqa: E402
 
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-pytestmark = pytest.mark.skipif(not CUOBJDUMP.exists() and shutil.which("cuobjdump") is None,
-                                reason="cuobjdump (shipped with Triton's NVIDIA backend) is missing")
+try:
+    gpu_binaries.find_cuobjdump()
+    pytestmark = []
+except gpu_binaries.ToolMissing as missing:
+    pytestmark = pytest.mark.skip(reason=str(missing))
 
 COMBINATIONS = [
     (kernel, target, dtype, head_dim, causal)
@@ -59,7 +59,7 @@ def test_default_config_compiles_within_the_device(rows, kernel, target, dtype, 
     assert row["problems"] == [] and row["fits"], row["problems"]
     assert row["registers"] > 0  # a real function was read from the cubin
     assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0
-    assert 0 < row["shared_bytes"] <= triton_report.SHARED_MEMORY_LIMIT[target]
+    assert 0 < row["shared_bytes"] <= gpu_binaries.SHARED_MEMORY_LIMIT[target]
     mnemonics = {name.split(".")[0] for name in row["tensor_core_instructions"]}
     if kernel in triton_report.MATMUL_KERNELS:
         assert triton_report.TENSOR_CORE_PREFIX[target] in mnemonics, row["tensor_core_instructions"]
