@@ -168,13 +168,18 @@ def test_emulated_glue_rejects_bad_arguments(emulated, change, message):
 @pytest.mark.emulated_cuda
 def test_emulated_glue_rejects_outputs_sharing_memory(emulated):
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(RuntimeError, match="out must not share memory with query"):
+    with pytest.raises(RuntimeError, match="out: expected memory apart from query's"):
         emulated.forward(q, q.clone(), q.clone(), None, None, False, 0.25, q)
     storage = torch.randn(384)  # value in elements 0-127, out in 64-319: they meet
     key = torch.randn(1, 1, 8, 16)
     value, out = storage[:128].view(1, 1, 8, 16), storage[64:320].view(1, 2, 8, 16)
-    with pytest.raises(RuntimeError, match="out must not share memory with value"):
+    with pytest.raises(RuntimeError, match="out: expected memory apart from value's"):
         emulated.forward(q, key, value, None, None, False, 0.25, out)
+    # Interleaved slices of one packed projection, (B, L, 3, H, D): neither is one dense block.
+    packed = torch.randn(1, 8, 3, 2, 16)
+    query, into_key = (packed[:, :, i].transpose(1, 2) for i in (0, 1))
+    with pytest.raises(RuntimeError, match="out: expected memory apart from query's"):
+        emulated.forward(query, key.expand(1, 2, 8, 16).clone(), q.clone(), None, None, False, 0.25, into_key)
     with pytest.raises(RuntimeError, match="expanded view"):
         emulated.forward(q, q, q, None, None, False, 0.25, torch.zeros(1, 1, 8, 16).expand(1, 2, 8, 16))
 

@@ -3,7 +3,6 @@
 // argument, then the kernel of the best instruction set this CPU has runs (see flash_kernel.h).
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/Version.h>
 #include <torch/library.h>
@@ -16,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "../output_memory.h"
 #include "flash_params.h"
 
 namespace fused_attn_cpu {
@@ -108,35 +108,6 @@ Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, 
   return p;
 }
 
-// [first byte, one past the last byte] a strided tensor can touch.
-std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
-  int64_t low = 0, high = 0;
-  for (int64_t i = 0; i < t.dim(); ++i) {
-    const int64_t extent = (t.size(i) - 1) * t.stride(i);
-    (extent < 0 ? low : high) += extent;
-  }
-  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const auto item = static_cast<int64_t>(t.element_size());
-  return {base + low * item, base + (high + 1) * item};
-}
-
-void check_output(const char* op, const char* name, const at::Tensor& out,
-                  std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
-  // Written through its strides: two elements sharing memory, or memory shared with an input,
-  // would make the result depend on the order of the writes.
-  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes, op, ": ", name,
-              ": expected a tensor whose elements do not share memory (not an expanded view)");
-  for (const auto& [input_name, input] : inputs) {
-    if (input == nullptr || !input->defined() || input->numel() == 0 || out.numel() == 0) continue;
-    if (!out.storage().is_alias_of(input->storage())) continue;
-    // Same storage: refuse when the address ranges meet (conservative for interleaved views).
-    const auto [out_begin, out_end] = byte_range(out);
-    const auto [in_begin, in_end] = byte_range(*input);
-    TORCH_CHECK(out_end <= in_begin || in_end <= out_begin, op, ": ", name,
-                ": expected memory apart from ", input_name, "'s");
-  }
-}
-
 // Block sizes and the product, with environment overrides for benchmarking:
 // FUSED_ATTN_CPU_BLOCK_Q, FUSED_ATTN_CPU_BLOCK_K, FUSED_ATTN_CPU_BRGEMM=0.
 int64_t env_int(const char* name, int64_t fallback) {
@@ -222,7 +193,7 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   const char* op = "flash_forward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
-  check_output(op, "out", out, {{"query", &query}, {"key", &key}, {"value", &value}});
+  fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key}, {"value", &value}});
   p.out = view_of(out);
   at::Tensor lse = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(lse_dtype(query.scalar_type())));
   p.lse = view_of(lse);

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 #include <climits>
@@ -18,6 +17,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "../output_memory.h"
 #include "flash_kernels.cuh"
 
 namespace fused_attn_cuda {
@@ -163,20 +163,6 @@ inline void check_like_output(const at::Tensor& t, const char* name, const at::T
               " must have query's dtype ", query.scalar_type(), ", got ", t.scalar_type());
 }
 
-// The forward writes `out` through its strides while other blocks still read the inputs: it must
-// neither repeat elements (an expanded view) nor share memory with an input.
-inline void check_output_memory(const at::Tensor& out,
-                                std::initializer_list<std::pair<const char*, const at::Tensor*>> inputs) {
-  TORCH_CHECK(at::has_internal_overlap(out) != at::MemOverlap::Yes,
-              "fused_attn cuda: out must not be an expanded view (its elements share memory)");
-  for (const auto& [name, input] : inputs) {
-    if (input == nullptr || !input->defined()) continue;
-    const auto status = at::get_overlap_status(out, *input);
-    TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial,
-                "fused_attn cuda: out must not share memory with ", name);
-  }
-}
-
 // Writes softmax(scale · Q Kᵀ + masks) V into `out` and returns the log-sum-exp (B, H_q, L_q).
 template <typename Launch>
 at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -187,8 +173,9 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
-  check_output_memory(out, {{"query", &query}, {"key", &key}, {"value", &value},
-                            {"attn_mask", attn_mask.has_value() ? &*attn_mask : nullptr}});
+  fused_attn::check_output_memory("flash_forward", "out", out,
+                                  {{"query", &query}, {"key", &key}, {"value", &value},
+                                   {"attn_mask", attn_mask.has_value() ? &*attn_mask : nullptr}});
   at::Tensor lse = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(at::kFloat));
   if (lse.numel() == 0) return lse;
   params.out = out.data_ptr();
