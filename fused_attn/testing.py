@@ -84,8 +84,9 @@ class Results:
 
 
 def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask=None,
-                      key_padding_mask=None, is_causal=False, scale=None) -> Results:
-    """The einsum reference, on the CPU, in `dtype` (default the inputs'), with autograd gradients.
+                      key_padding_mask=None, is_causal=False, scale=None, grad_lse=None) -> Results:
+    """The einsum reference, on the CPU, in `dtype` (default the inputs'), with autograd gradients
+    through the output (by `grad_out`) and, given `grad_lse`, through the log-sum-exp too.
 
     Masks are in `attention`'s convention (bool True = attend; additive of query's dtype, which is
     converted to `dtype`). H_q may be a multiple of H_kv.
@@ -105,8 +106,12 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
     out, lse = reference.attention(q, k, v, mask, padding, is_causal, scale)
     results = Results(out.detach(), lse.detach())
     if wants_grad:
+        outputs, grads_in = [out], [grad_out.detach().to("cpu", dtype)]
+        if grad_lse is not None:
+            outputs.append(lse)
+            grads_in.append(grad_lse.detach().to("cpu", lse.dtype))
         results.grad_query, results.grad_key, results.grad_value = torch.autograd.grad(
-            out, (q, k, v), grad_out.detach().to("cpu", dtype))
+            outputs, (q, k, v), grads_in)
     return results
 
 
@@ -309,21 +314,10 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
 def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
     """The einsum reference of `inputs` on the CPU in `dtype`, differentiated through the output and,
     where the case has one, through the log-sum-exp (by grad_lse)."""
-    def prepared(tensor):
-        return tensor.detach().to("cpu", dtype).requires_grad_()
-
-    q, k, v = (prepared(t) for t in (inputs.query, inputs.key, inputs.value))
-    mask = inputs.mask_view()
-    if mask is not None:
-        mask = mask.cpu() if mask.dtype == torch.bool else mask.cpu().to(dtype)
-    padding = None if inputs.key_padding_mask is None else inputs.key_padding_mask.cpu()
-    out, lse = reference.attention(q, k, v, mask, padding, inputs.case.is_causal, inputs.case.scale)
-    outputs, grads_in = [out], [inputs.grad_out.detach().to("cpu", dtype)]
-    if inputs.grad_lse is not None:
-        outputs.append(lse)
-        grads_in.append(inputs.grad_lse.detach().to("cpu", lse.dtype))
-    grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
-    return Results(out.detach(), lse.detach(), *grads)
+    return reference_results(inputs.query, inputs.key, inputs.value, inputs.grad_out, dtype=dtype,
+                             attn_mask=inputs.mask_view(), key_padding_mask=inputs.key_padding_mask,
+                             is_causal=inputs.case.is_causal, scale=inputs.case.scale,
+                             grad_lse=inputs.grad_lse)
 
 
 def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, float]]:
