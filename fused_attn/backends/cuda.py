@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import _extension
 from ..problem import Problem
 from .extension import ExtensionBackend
 
@@ -23,8 +22,7 @@ MAX_GRID_DIM = 65535  # heads and batch index the y and z dimensions of the grid
 
 def has_cuda_kernels() -> bool:
     """Whether fused_attn._C registered its CUDA kernels (it does when built by a CUDA torch + nvcc)."""
-    return _extension.missing_reason is None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "fused_attn::flash_forward", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fused_attn::flash_forward", "CUDA")
 
 
 class CudaBackend(ExtensionBackend):
@@ -34,8 +32,8 @@ class CudaBackend(ExtensionBackend):
     max_head_dim = 256
 
     def unavailable(self) -> str | None:
-        if _extension.missing_reason is not None:
-            return _extension.missing_reason
+        if (reason := super().unavailable()) is not None:
+            return reason
         if not has_cuda_kernels():
             return ("the C++ extension fused_attn._C was built without CUDA kernels (it needs a "
                     "CUDA build of torch and nvcc at build time)")

@@ -52,7 +52,7 @@ class TritonBackend(Backend):
                 return ["TRITON_INTERPRET=1 was set after the kernels were imported for the GPU"]
             return []
         if device != "cuda":
-            return [f"device type {device!r} is not supported"]
+            return super().device_refusals(problem)
         capability = torch.cuda.get_device_capability(problem.device)
         if capability < (7, 5):
             return [f"needs compute capability 7.5 or newer, got {capability[0]}.{capability[1]}"]
