@@ -56,7 +56,6 @@ template __global__ void fused_attn_cuda::flash_backward_delta_kernel<__half>(co
 template __global__ void fused_attn_cuda::flash_backward_delta_kernel<__nv_bfloat16>(const fused_attn_cuda::DeltaParams);
 template __global__ void fused_attn_cuda::flash_backward_delta_kernel<float>(const fused_attn_cuda::DeltaParams);
 
-template <int KIND>
 static void print_config(const char* kernel, const char* dtype, int head, int m, int n, int shared) {
   std::printf("{\"kernel\": \"%s\", \"dtype\": \"%s\", \"head_dim\": %d, \"block_m\": %d, "
               "\"block_n\": %d, \"threads\": %d, \"dynamic_shared_bytes\": %d}\n",
@@ -64,7 +63,7 @@ static void print_config(const char* kernel, const char* dtype, int head, int m,
 }
 
 #define FA_PRINT_ONE(KIND, NAME, T, D)                                                     \
-  print_config<fused_attn_cuda::KIND>(NAME, #T, D,                                          \
+  print_config(NAME, #T, D,                                                                 \
       fused_attn_cuda::Config<fused_attn_cuda::KIND, T, D>::block_m,                        \
       fused_attn_cuda::Config<fused_attn_cuda::KIND, T, D>::block_n,                        \
       fused_attn_cuda::Config<fused_attn_cuda::KIND, T, D>::shared_bytes);

@@ -81,7 +81,8 @@ def _signature(fn, args, constexprs):
 
 
 def _representative_call(kernel, dtype_name, head_dim, causal):
-    """(kernel fn, args, constexprs, config string, KernelConfig or None) for one report row."""
+    """(kernel fn, args, constexprs, config string or None, dtype) for one report row: the preprocess
+    comes with its fixed config; the other kernels take their default one in `_compile_row`."""
     import torch
     from fused_attn.backends import triton_kernels as tk
     from fused_attn.problem import output_like
@@ -101,7 +102,7 @@ def _representative_call(kernel, dtype_name, head_dim, causal):
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
         config = PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"], warps=tk.PREPROCESS_WARPS)
-        return tk.KERNELS[kernel], args, constexprs, config, None
+        return tk.KERNELS[kernel], args, constexprs, config, dtype
     else:
         grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
         args, constexprs = tk.backward_args(kernel, q, k, v, None, None, causal, scale, grad_out, lse, delta,
@@ -148,8 +149,8 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool)
     return row
 
 
-def _compile_row(kernel, target, dtype_name, head_dim, causal, config=None) -> dict:
-    """Compiles one kernel at its default config (or `config`, a KernelConfig) and inspects it."""
+def _compile_row(kernel, target, dtype_name, head_dim, causal) -> dict:
+    """Compiles one kernel at its default config and inspects it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -158,8 +159,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, config=None) -> d
     fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal)
     options = {"num_warps": tk.PREPROCESS_WARPS, "num_stages": 1}
     if config_text is None:
-        if config is None:
-            config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize)
+        config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize)
         constexprs = dict(constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)
