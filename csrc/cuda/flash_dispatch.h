@@ -22,12 +22,6 @@
 
 namespace fused_attn_cuda {
 
-struct LaunchShape {
-  unsigned grid[3];
-  unsigned block;
-  std::size_t shared_bytes;
-};
-
 template <typename T>
 struct TypeTag {
   using type = T;
@@ -63,7 +57,6 @@ void dispatch_instance(at::ScalarType dtype, int64_t head_dim, Fn&& fn) {
   TORCH_CHECK(false, "fused_attn cuda: no kernel for dtype ", dtype, " and head dim ", head_dim);
 }
 
-inline unsigned ceil_div(int64_t n, int64_t d) { return static_cast<unsigned>((n + d - 1) / d); }
 
 inline void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected) {
   TORCH_CHECK(t.sizes() == expected, "fused_attn cuda: ", name, " must have shape ", expected,
@@ -184,11 +177,7 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   dispatch_instance(query.scalar_type(), std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
     using T = typename decltype(type)::type;
     constexpr int HEAD = decltype(head)::value;
-    using Cfg = Config<kForwardKernel, T, HEAD>;
-    const LaunchShape shape{{ceil_div(p.len_q, Cfg::block_m), static_cast<unsigned>(p.heads_q),
-                             static_cast<unsigned>(p.batch)},
-                            kThreads, static_cast<std::size_t>(Cfg::shared_bytes)};
-    launch(&flash_forward_kernel<T, HEAD>, shape, params);
+    launch(&flash_forward_kernel<T, HEAD>, forward_shape<T, HEAD>(p), params);
   });
   return lse;
 }
@@ -257,22 +246,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
       delta_params.heads = p.heads_q;
       delta_params.len_q = p.len_q;
       delta_params.dim_v = p.dim_v;
-      launch(&flash_backward_delta_kernel<T>, LaunchShape{{ceil_div(rows, kWarps), 1, 1}, kThreads, 0},
-             delta_params);
-
-      using QCfg = Config<kBackwardQKernel, T, HEAD>;
-      const LaunchShape q_shape{{ceil_div(p.len_q, QCfg::block_m), static_cast<unsigned>(p.heads_q),
-                                 static_cast<unsigned>(p.batch)},
-                                kThreads, static_cast<std::size_t>(QCfg::shared_bytes)};
-      launch(&flash_backward_dq_kernel<T, HEAD>, q_shape, params);
+      launch(&flash_backward_delta_kernel<T>, backward_delta_shape(rows), delta_params);
+      launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(p), params);
     }
     // Also without query rows: every key then gets a zero gradient.
     if (grad_key.numel() > 0 || grad_value.numel() > 0) {
-      using KVCfg = Config<kBackwardKVKernel, T, HEAD>;
-      const LaunchShape kv_shape{{ceil_div(p.len_k, KVCfg::block_n), static_cast<unsigned>(p.heads_kv),
-                                  static_cast<unsigned>(p.batch)},
-                                 kThreads, static_cast<std::size_t>(KVCfg::shared_bytes)};
-      launch(&flash_backward_dkdv_kernel<T, HEAD>, kv_shape, params);
+      launch(&flash_backward_dkdv_kernel<T, HEAD>, backward_dkdv_shape<T, HEAD>(p), params);
     }
   });
   return {grad_query, grad_key, grad_value};

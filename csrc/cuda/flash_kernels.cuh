@@ -23,6 +23,7 @@
 #endif
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -625,5 +626,43 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
           Element<T>::store(dq_s[r * LDA + d] * p.scale);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Launch shapes: every kernel runs kThreads per block on a grid of (query or key blocks, heads,
+// batch), the delta kernel one warp per query row. The torch glue and the sanitizer run both take
+// them from here.
+
+struct LaunchShape {
+  unsigned grid[3];
+  unsigned block;
+  std::size_t shared_bytes;
+};
+
+inline unsigned ceil_div(int64_t n, int64_t d) { return static_cast<unsigned>((n + d - 1) / d); }
+
+template <int KIND, typename T, int HEAD>
+LaunchShape blocks_over(int64_t length, int64_t block, int heads, int batch) {
+  return {{ceil_div(length, block), static_cast<unsigned>(heads), static_cast<unsigned>(batch)},
+          kThreads, static_cast<std::size_t>(Config<KIND, T, HEAD>::shared_bytes)};
+}
+
+template <typename T, int HEAD>
+LaunchShape forward_shape(const AttentionParams& p) {
+  return blocks_over<kForwardKernel, T, HEAD>(p.len_q, Config<kForwardKernel, T, HEAD>::block_m, p.heads_q, p.batch);
+}
+
+template <typename T, int HEAD>
+LaunchShape backward_dq_shape(const AttentionParams& p) {
+  return blocks_over<kBackwardQKernel, T, HEAD>(p.len_q, Config<kBackwardQKernel, T, HEAD>::block_m, p.heads_q,
+                                                p.batch);
+}
+
+template <typename T, int HEAD>
+LaunchShape backward_dkdv_shape(const AttentionParams& p) {
+  return blocks_over<kBackwardKVKernel, T, HEAD>(p.len_k, Config<kBackwardKVKernel, T, HEAD>::block_n, p.heads_kv,
+                                                 p.batch);
+}
+
+inline LaunchShape backward_delta_shape(int64_t rows) { return {{ceil_div(rows, kWarps), 1, 1}, kThreads, 0}; }
 
 }  // namespace fused_attn_cuda

@@ -5,19 +5,10 @@
 
 #include <torch/extension.h>
 
+#include "emulated_launch.h"
 #include "flash_dispatch.h"
 
 namespace {
-
-using fused_attn_cuda::LaunchShape;
-
-struct EmulatedLaunch {
-  template <typename Params>
-  void operator()(void (*kernel)(Params), const LaunchShape& shape, const Params& params) const {
-    cuda_emulation::launch(kernel, {shape.grid[0], shape.grid[1], shape.grid[2]},
-                           {shape.block, 1, 1}, shape.shared_bytes, params);
-  }
-};
 
 void check_cpu(const std::optional<at::Tensor>& t, const char* name) {
   TORCH_CHECK(!t.has_value() || t->device().is_cpu(), "emulated cuda: ", name,

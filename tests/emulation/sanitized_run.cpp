@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "flash_kernels.cuh"
+#include "emulated_launch.h"
 
 namespace {
 
@@ -45,8 +45,6 @@ bool all_finite(const std::vector<T>& values) {
     if (!std::isfinite(Element<T>::load(value))) return false;
   return true;
 }
-
-unsigned blocks(int n, int block) { return static_cast<unsigned>((n + block - 1) / block); }
 
 // Forward and backward of one problem: GQA, L_q != L_k, causal, a broadcast bool mask with some
 // rows fully hidden, key padding. Returns the number of outputs with NaN or infinite elements.
@@ -95,12 +93,9 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   forward.out = out.data();
   contiguous(forward.out_stride, heads_q, len_q, dim_v);
   forward.lse = lse.data();
-  using FwdCfg = Config<kForwardKernel, T, HEAD>;
-  const cuda_emulation::Dim3 threads{kThreads, 1, 1};
-  cuda_emulation::launch(&flash_forward_kernel<T, HEAD>,
-                         {blocks(len_q, FwdCfg::block_m), static_cast<unsigned>(heads_q),
-                          static_cast<unsigned>(batch)},
-                         threads, FwdCfg::shared_bytes, forward);
+  // Launched at the shapes the torch glue (flash_dispatch.h) computes.
+  const EmulatedLaunch launch;
+  launch(&flash_forward_kernel<T, HEAD>, forward_shape<T, HEAD>(attn), forward);
 
   DeltaParams delta_params{};
   delta_params.out = out.data();
@@ -113,9 +108,7 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   delta_params.heads = heads_q;
   delta_params.len_q = len_q;
   delta_params.dim_v = dim_v;
-  cuda_emulation::launch(&flash_backward_delta_kernel<T>,
-                         {blocks(static_cast<int>(q_size), kWarps), 1, 1}, threads, 0,
-                         delta_params);
+  launch(&flash_backward_delta_kernel<T>, backward_delta_shape(static_cast<int64_t>(q_size)), delta_params);
 
   BackwardParams backward{};
   backward.attn = attn;
@@ -133,16 +126,8 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   contiguous(backward.grad_k_stride, heads_kv, len_k, dim_qk);
   backward.grad_v = grad_v.data();
   contiguous(backward.grad_v_stride, heads_kv, len_k, dim_v);
-  using QCfg = Config<kBackwardQKernel, T, HEAD>;
-  using KVCfg = Config<kBackwardKVKernel, T, HEAD>;
-  cuda_emulation::launch(&flash_backward_dq_kernel<T, HEAD>,
-                         {blocks(len_q, QCfg::block_m), static_cast<unsigned>(heads_q),
-                          static_cast<unsigned>(batch)},
-                         threads, QCfg::shared_bytes, backward);
-  cuda_emulation::launch(&flash_backward_dkdv_kernel<T, HEAD>,
-                         {blocks(len_k, KVCfg::block_n), static_cast<unsigned>(heads_kv),
-                          static_cast<unsigned>(batch)},
-                         threads, KVCfg::shared_bytes, backward);
+  launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(attn), backward);
+  launch(&flash_backward_dkdv_kernel<T, HEAD>, backward_dkdv_shape<T, HEAD>(attn), backward);
 
   int failures = 0;
   for (const auto& [what, ok] : {std::pair{"out", all_finite(out)}, {"grad_query", all_finite(grad_q)},
