@@ -7,7 +7,13 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.fused_attn-installed
 SOURCES := setup.py pyproject.toml requirements.txt $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: test bench install clean
+# Python versions a GPU runner may have, each resolved by an interpreter of that version where this
+# machine has one (`make check-gpu-install`); Triton releases the kernels are tested on (`make test-triton`).
+RUNNER_PYTHONS ?= 3.10 3.11 3.12 3.13
+TRITON_VERSIONS ?= 3.5.1 3.6.0 3.7.1 3.8.0 3.9.0
+TRITON_TESTS ?= tests/test_triton.py
+
+.PHONY: test bench install clean check-gpu-install check-gpu-install-full test-triton
 
 install: $(INSTALLED)
 
@@ -23,5 +29,27 @@ test: $(INSTALLED)
 bench: $(INSTALLED)
 	$(PY) -m bench --quick
 
+# Fast (CI runs it): requirements.txt resolves as on a Linux GPU runner, whose pip sees PyPI's CUDA
+# build of torch, with the Triton that torch pins.
+check-gpu-install:
+	$(PYTHON) scripts/check_gpu_install.py --python-versions $(RUNNER_PYTHONS)
+
+# Slow (minutes, several GB): also installs that CUDA torch in .venv-cuda, builds the CUDA extension
+# with nvcc from a copy of the tree, checks the import and runs the test suite there.
+check-gpu-install-full:
+	$(PYTHON) scripts/check_gpu_install.py --full --python-versions $(RUNNER_PYTHONS)
+
+# The Triton tests (interpreter) and the static sm_80/sm_90 report (exit 1 unless every kernel compiles,
+# fits and uses tensor cores) on each supported Triton release, installed side by side in
+# .triton/<version> and put first on PYTHONPATH for the venv's interpreter.
+test-triton: $(INSTALLED)
+	set -e; for version in $(TRITON_VERSIONS); do \
+	  test -d .triton/$$version || $(PY) -m pip install --quiet --disable-pip-version-check --no-deps \
+	    --target .triton/$$version triton==$$version; \
+	  echo "== triton $$version"; \
+	  PYTHONPATH=.triton/$$version $(PY) -m pytest -q $(TRITON_TESTS) $(PYTEST_ARGS); \
+	  PYTHONPATH=.triton/$$version $(PY) -m bench.triton_report; \
+	done
+
 clean:
-	rm -rf build fused_attn/*.so $(VENV)
+	rm -rf build fused_attn/*.so $(VENV) .venv-cuda .venv-resolve .triton

@@ -15,7 +15,15 @@ from tqdm import tqdm
 from . import check, report, sweep
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
 def parse_args(argv=None):
+    """The arguments, with `device` resolved to "cpu" or "cuda"."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="short sweep, a few minutes on 2 cores (default)")
@@ -23,14 +31,21 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="default: cuda when a GPU is present, else cpu")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    parser.add_argument("--rounds", type=int, default=None, help="timing rounds per shape on CPU")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="timing rounds per shape on CPU")
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    has_cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not has_cuda:
+        # Otherwise the first CUDA call, deep in the run, fails with torch's own traceback.
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        parser.error(f"--device cuda: no CUDA device is available (torch {torch.__version__}, {build})")
+    args.device = args.device or ("cuda" if has_cuda else "cpu")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device)
     quick = not args.full
     meta = report.provenance(device)
     print(f"fused_attn {meta['fused_attn']} ({meta['git_revision']}), torch {meta['torch']}, "

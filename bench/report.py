@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import datetime
+import importlib.metadata
+import itertools
 import os
 import platform
 import subprocess
@@ -65,12 +67,17 @@ def provenance(device: torch.device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
+    try:  # its version, without importing it (flash_attn rows are measured on GPUs only)
+        flash_attn_version = importlib.metadata.version("flash_attn")
+    except importlib.metadata.PackageNotFoundError:
+        flash_attn_version = "not installed"
     return {
         "device": device.type,
         "device_model": device_model(device),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "triton": triton_version,
+        "flash_attn": flash_attn_version,
         "fused_attn": fused_attn.__version__,
         "git_revision": git_revision(),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -103,31 +110,39 @@ def write_csv(rows: list[dict], meta: dict, path: Path) -> None:
 
 
 def write_plot(rows: list[dict], meta: dict, path: Path) -> None:
-    """Throughput against length, one line per backend (solid: full, dashed: causal)."""
+    """Throughput against length: one panel per (direction, head dim) and dtype, one colour per
+    backend (solid: full, dashed: causal), one legend for the figure (a GPU run has a dozen lines,
+    which a legend per panel would cover)."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    panels = sorted({(row["dtype"], row["direction"], row["head_dim"]) for row in rows})
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    dtypes = sorted({row["dtype"] for row in rows})
+    columns = sorted({(row["direction"], row["head_dim"]) for row in rows})
+    figure, axes = plt.subplots(len(dtypes), len(columns), figsize=(4.5 * len(columns), 4 * len(dtypes)),
+                                squeeze=False)
     backends = sorted({row["backend"] for row in rows})
     colours = {backend: f"C{i}" for i, backend in enumerate(backends)}
-    for axis, (dtype, direction, head_dim) in zip(axes[0], panels):
+    legend = {}
+    for (d, dtype), (c, (direction, head_dim)) in itertools.product(enumerate(dtypes), enumerate(columns)):
+        axis = axes[d][c]
         for backend in backends:
             for causal, style in ((False, "-"), (True, "--")):
                 points = sorted((row["length"], row["tflops"]) for row in rows if row["backend"] == backend
                                 and row["dtype"] == dtype and row["direction"] == direction
                                 and row["head_dim"] == head_dim and row["causal"] == causal)
                 if points:
-                    axis.plot(*zip(*points), style, color=colours[backend], marker="o", label=f"{backend}{' causal' if causal else ''}")
+                    label = f"{backend}{' causal' if causal else ''}"
+                    legend[label], = axis.plot(*zip(*points), style, color=colours[backend], marker="o")
         axis.set_xscale("log", base=2)
         axis.set_title(f"{dtype} {direction} D={head_dim}")
         axis.set_xlabel("sequence length")
         axis.set_ylabel("TFLOP/s")
-        axis.legend(fontsize=7)
-    figure.suptitle(f"fused_attn {meta['fused_attn']} on {meta['device_model']} ({meta['threads']} threads)")
+    threads = f" ({meta['threads']} threads)" if meta["device"] == "cpu" else ""
+    figure.suptitle(f"fused_attn {meta['fused_attn']} on {meta['device_model']}{threads}")
     figure.tight_layout()
+    figure.legend(legend.values(), legend.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    figure.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(figure)

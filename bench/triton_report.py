@@ -7,8 +7,8 @@ explicit target. The cubins are read with the `cuobjdump` shipped in the Triton 
 (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
 memory is Triton's dynamic allocation from the kernel metadata plus any static shared memory.
 
-The kernels are specialised exactly as a launch would specialise them (`native_specialize_impl`, the
-JIT's own routine) for a representative call: (B, L, H, D) tensors as `split_heads_attention` passes
+The kernels are specialised exactly as a launch would specialise them (the JIT's own routine, found by
+`fused_attn.backends.triton_compat`) for a representative call: (B, L, H, D) tensors as `split_heads_attention` passes
 them, without masks, H_q == H_kv.
 
 Compilation needs the kernels built as `triton.jit` functions, not for the interpreter, so `report()`
@@ -62,16 +62,18 @@ def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1
 
 def _signature(fn, args, constexprs):
     """The signature, constants and attributes a launch with `args` would compile `fn` with."""
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
+    from fused_attn.backends import triton_compat
+
+    specialize = triton_compat.specializer()
     signature, constants, attrs = {}, {}, {}
     positional = iter(args)
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name], constants[name] = "constexpr", constexprs[name]
             continue
-        kind, attribute = native_specialize_impl(BaseBackend, next(positional), False, True, True)
+        kind, attribute = specialize(next(positional))
         if kind == "constexpr":  # an integer 1 is specialised into the code
             signature[name], constants[name] = "constexpr", attribute
             continue

@@ -1,8 +1,10 @@
 """fused_attn.attention and split_heads_attention: semantics, layouts, registry, against SDPA."""
 
+import importlib.util
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -152,6 +154,59 @@ def test_registry_choice_explicit_context_and_environment(generator, monkeypatch
     with pytest.raises(ValueError, match="backend: expected one of"):
         with fused_attn.use_backend("no-such-backend"):
             pass
+
+
+def test_use_backend_holds_for_its_own_thread_only(generator):
+    q = randn(generator, 1, 1, 2, 4)
+    problem = fused_attn.problem.Problem.of(q, q, q, None, None, False, 0.0)
+    automatic = registry.choose(problem).name
+    if automatic == "reference":
+        pytest.skip("the reference is the automatic choice here: a block could not be seen")
+    inside, entered, leave = [], threading.Event(), threading.Event()
+
+    def worker():
+        with fused_attn.use_backend("reference"):
+            inside.append(registry.choose(problem).name)
+            entered.set()
+            leave.wait(timeout=30)
+            inside.append(registry.choose(problem).name)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert entered.wait(timeout=30)
+        # The other thread is inside its block: this one keeps the automatic choice, and its own
+        # block leaves the other thread's request alone.
+        assert registry.choose(problem).name == automatic
+        with fused_attn.use_backend(automatic):
+            assert registry.choose(problem).name == automatic
+    finally:
+        leave.set()
+        thread.join(timeout=30)
+    assert inside == ["reference", "reference"]
+    assert registry.choose(problem).name == automatic
+
+
+def test_available_backends_say_why_gpu_backends_are_missing():
+    reasons = fused_attn.available_backends()
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    if fused_attn._extension.missing_reason:
+        expected = "fused_attn._C"
+    elif torch.version.cuda is None:
+        expected = "built without CUDA kernels"  # a CPU build of torch cannot compile them
+    else:
+        expected = "no CUDA device"  # a CUDA build of torch, with nvcc, compiled them
+    assert expected in reasons["cuda"], reasons
+    script = ("import fused_attn; print(fused_attn.available_backends()['triton'])")
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stderr
+    if importlib.util.find_spec("triton") is not None:
+        assert result.stdout.startswith("no CUDA device"), result.stdout
+        assert "TRITON_INTERPRET=1" in result.stdout
+    else:
+        assert "not installed" in result.stdout
 
 
 def test_explicit_backend_that_cannot_run_lists_every_backend(generator):

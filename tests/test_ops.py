@@ -5,12 +5,16 @@ import torch
 
 import fused_attn
 from fused_attn import ops, testing
+from fused_attn.backends import registry
+from fused_attn.problem import Problem
 
 
 def cpu_backends():
-    """Backends that run on CPU tensors here (the Triton one only under its interpreter)."""
-    return [name for name, why in fused_attn.available_backends().items() if why is None
-            and name != "cuda"]
+    """Backends that run on CPU tensors here, as the registry judges them: the Triton one only under
+    its interpreter, which conftest switches on only where there is no GPU."""
+    x = torch.empty(1, 1, 2, 8)
+    problem = Problem.of(x, x, x, None, None, False, 0.0)
+    return [name for name in registry.names() if not registry.reasons(registry.get(name), problem)]
 
 
 def sample_inputs(dtype=torch.float32, requires_grad=True):
@@ -60,6 +64,25 @@ def test_compiled_function_has_no_graph_breaks():
     expected_grads = torch.autograd.grad(expected.sum(), (x, weight))
     for a, b in zip(grads, expected_grads):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_function_follows_use_backend_blocks(monkeypatch):
+    """A `use_backend` block is seen by torch.compile (no graph break), and leaving it recompiles."""
+    chosen = []
+    original = registry.choose
+    monkeypatch.setattr(registry, "choose", lambda *a, **k: chosen.append(original(*a, **k).name) or
+                        original(*a, **k))
+
+    def layer(q):
+        return fused_attn.attention(q, q, q, is_causal=True)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    q = torch.randn(1, 2, 5, 8)
+    with fused_attn.use_backend("reference"):
+        inside = compiled(q)
+    outside = compiled(q)
+    torch.testing.assert_close(inside, outside)
+    assert chosen[0] == "reference" and chosen[-1] != "reference", chosen
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 
 import torch
 
@@ -17,7 +18,19 @@ ENV_VARIABLE = "FUSED_ATTN_BACKEND"
 
 # In order of preference: the first that can run a call on its device is chosen automatically.
 _BACKENDS: dict[str, Backend] = {}
-_requested: list[str | None] = [None]
+
+
+class _Requests(threading.local):
+    """The requests of the `use_backend` blocks a thread is in, innermost last. Thread-local, as
+    torch's own context managers are (`torch.no_grad`, `sdpa_kernel`): a block in one thread leaves
+    every other thread's choice alone, and a new thread starts without one. (Not a ContextVar, which
+    would follow asyncio tasks too: torch.compile cannot trace ContextVar.get, and reads this.)"""
+
+    def __init__(self):
+        self.stack: list[str | None] = [None]
+
+
+_requested = _Requests()
 
 
 class BackendError(ValueError):
@@ -48,22 +61,26 @@ def available_backends() -> dict[str, str | None]:
 
 @contextlib.contextmanager
 def use_backend(name: str | None):
-    """Within the block, calls without `backend=` use `name` (None restores automatic choice)."""
+    """Within the block, calls without `backend=` use `name` (None restores automatic choice).
+
+    The request holds for the thread that entered the block, as with torch's own context managers
+    (`torch.no_grad`, `sdpa_kernel`); other threads keep their own choice.
+    """
     if name is not None:
         get(name)
-    _requested.append(name)
+    _requested.stack.append(name)
     try:
         yield
     finally:
-        _requested.pop()
+        _requested.stack.pop()
 
 
 def requested_backend(explicit: str | None) -> str | None:
     """The request in force: the argument, else the innermost context manager, else the environment."""
     if explicit is not None:
         return explicit
-    if _requested[-1] is not None:
-        return _requested[-1]
+    if _requested.stack[-1] is not None:
+        return _requested.stack[-1]
     return os.environ.get(ENV_VARIABLE) or None
 
 

@@ -7,13 +7,13 @@ never chosen automatically for them (`backend="triton"` asks for it).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 import torch
 
 from ..problem import Problem
+from . import triton_compat
 from .base import Backend
 
 def _interpret_requested() -> bool:
@@ -39,8 +39,12 @@ class TritonBackend(Backend):
     max_head_dim = 256
 
     def unavailable(self) -> str | None:
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed"
+        if (reason := triton_compat.unsupported()) is not None:
+            return reason
+        if not torch.cuda.is_available() and not _interpret_requested():
+            build = "a CPU-only build of torch" if torch.version.cuda is None else f"torch {torch.__version__}"
+            return (f"no CUDA device ({build}); CPU tensors run in Triton's interpreter with "
+                    "TRITON_INTERPRET=1")
         return None
 
     def device_refusals(self, problem: Problem) -> list[str]:
