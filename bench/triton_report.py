@@ -1,15 +1,15 @@
 """Static GPU report of the `triton` backend, made without a GPU.
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
-bf16; head dims 64 and 128; causal and not) for sm_80 and sm_90 with Triton's own compiler and an
-explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
+bf16; head dims 64 and 128; causal and not, and causal with dropout) for sm_80 and sm_90 with Triton's
+own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
 `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
 (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
 memory is Triton's dynamic allocation from the kernel metadata plus any static shared memory.
 
-The kernels are specialised exactly as a launch would specialise them (the JIT's own routine, found by
-`fused_attn.backends.triton_compat`) for a representative call: (B, L, H, D) tensors as `split_heads_attention` passes
-them, without masks, H_q == H_kv.
+The kernels are specialised exactly as a launch would specialise them (the JIT's own routine, found
+by `fused_attn.backends.triton_compat`) for a representative call: (B, L, H, D) tensors as
+`split_heads_attention` passes them, without masks, H_q == H_kv.
 
 Compilation needs the kernels built as `triton.jit` functions, not for the interpreter, so `report()`
 runs it in a child process with TRITON_INTERPRET unset and TRITON_CACHE_DIR in a temporary directory.
@@ -39,12 +39,18 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
 # Kernels whose work is matrix products; the preprocess is a row-wise reduction without any.
 MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 PREPROCESS_CONFIG = "BLOCK_M={block_m},warps={warps},stages=1"
+# (causal, dropout) variants of the kernels with products; the preprocess depends on neither.
+VARIANTS = ((False, False), (True, False), (True, True))
+
+
+def variants(kernel: str) -> tuple[tuple[bool, bool], ...]:
+    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False),)
 
 
 def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
     """One dict per (kernel, target, dtype, head dim, causal): resources, instructions, verdict.
 
-    Keys: backend, kernel, target, dtype, head_dim, causal, config, registers, spill_bytes,
+    Keys: backend, kernel, target, dtype, head_dim, causal, dropout, config, registers, spill_bytes,
     stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
     """
     with tempfile.TemporaryDirectory(prefix="fused_attn_triton_cache_") as cache:
@@ -82,11 +88,12 @@ def _signature(fn, args, constexprs):
     return signature, constants, attrs
 
 
-def _representative_call(kernel, dtype_name, head_dim, causal):
+def _representative_call(kernel, dtype_name, head_dim, causal, dropout):
     """(kernel fn, args, constexprs, config string or None, dtype) for one report row: the preprocess
     comes with its fixed config; the other kernels take their default one in `_compile_row`."""
     import torch
     from fused_attn.backends import triton_kernels as tk
+    from fused_attn.dropout import Dropout
     from fused_attn.problem import output_like
 
     dtype = getattr(torch, dtype_name)
@@ -99,8 +106,10 @@ def _representative_call(kernel, dtype_name, head_dim, causal):
     lse = torch.empty(batch, heads, length, dtype=torch.float32)
     delta = torch.empty_like(lse)
     scale = head_dim ** -0.5
+    # A threshold above 2^31, as dropout_p = 0.6 gives: the 64-bit integer argument.
+    drop = Dropout(0.6, torch.tensor([2 ** 40 + 7, 3])) if dropout else None
     if kernel == "fwd":
-        args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse)
+        args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse, drop)
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
         config = PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"], warps=tk.PREPROCESS_WARPS)
@@ -108,7 +117,7 @@ def _representative_call(kernel, dtype_name, head_dim, causal):
     else:
         grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
         args, constexprs = tk.backward_args(kernel, q, k, v, None, None, causal, scale, grad_out, lse, delta,
-                                            grads)
+                                            grads, drop)
     return tk.KERNELS[kernel], args, constexprs, None, dtype
 
 
@@ -151,14 +160,15 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool)
     return row
 
 
-def _compile_row(kernel, target, dtype_name, head_dim, causal) -> dict:
+def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout) -> dict:
     """Compiles one kernel at its default config and inspects it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from fused_attn.backends import triton_kernels as tk
 
-    fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal)
+    fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
+                                                                    dropout)
     options = {"num_warps": tk.PREPROCESS_WARPS, "num_stages": 1}
     if config_text is None:
         config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize)
@@ -166,7 +176,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal) -> dict:
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)
     row = {"backend": "triton", "kernel": kernel, "target": target, "dtype": dtype_name,
-           "head_dim": head_dim, "causal": causal, "config": config_text}
+           "head_dim": head_dim, "causal": causal, "dropout": dropout, "config": config_text}
     signature, constants, attrs = _signature(fn, args, constexprs)
     try:
         compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
@@ -192,9 +202,8 @@ def _rows(targets, dtypes, head_dims):
         for dtype_name in dtypes:
             for head_dim in head_dims:
                 for kernel in KERNELS:
-                    # The preprocess does not depend on causality.
-                    for causal in ((False,) if kernel == "bwd_preprocess" else (False, True)):
-                        yield _compile_row(kernel, target, dtype_name, head_dim, causal)
+                    for causal, dropout in variants(kernel):
+                        yield _compile_row(kernel, target, dtype_name, head_dim, causal, dropout)
 
 
 def main(argv=None) -> int:

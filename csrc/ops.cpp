@@ -5,6 +5,8 @@
 // value (B, H_kv, L_k, D_v), any strides; attn_mask a bool or additive view of (B, H_q, L_q, L_k)
 // with stride 0 where it broadcasts; key_padding_mask bool (B, L_k), true = ignore; `out`
 // (B, H_q, L_q, D_v) written in place. The forward returns the log-sum-exp (B, H_q, L_q).
+// Dropout (dropout_p > 0) drops the elements of csrc/dropout.h's stream for the call's (seed, offset),
+// dropout_rng: int64 (2,) on the tensors' device.
 
 #include <Python.h>
 #include <torch/library.h>
@@ -20,9 +22,11 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(fused_attn, m) {
   m.def(
       "flash_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
-      "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out) -> Tensor");
+      "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, float dropout_p=0., "
+      "Tensor? dropout_rng=None) -> Tensor");
   m.def(
       "flash_backward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor out, Tensor lse, "
-      "Tensor grad_out, Tensor? grad_lse) -> (Tensor, Tensor, Tensor)");
+      "Tensor grad_out, Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None) "
+      "-> (Tensor, Tensor, Tensor)");
 }

@@ -9,6 +9,7 @@ from torch.autograd import forward_ad
 
 from . import ops
 from .backends import reference, registry
+from .dropout import Dropout, next_rng
 from .problem import Problem
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -101,11 +102,22 @@ def _check_key_padding_mask(key_padding_mask, query, key) -> None:
                          f"got {key_padding_mask.device}")
 
 
+def _check_generator(generator, query) -> None:
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected None or a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != query.device.type:
+        raise ValueError(f"generator: expected a generator of device type {query.device.type} (as query), "
+                         f"got one of {generator.device}")
+
+
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
-            backend, seq_first):
+            backend, seq_first, generator=None):
     """Checks everything, then runs the chosen backend. Returns (out (B, H_q, L_q, D_v), lse)."""
     _check_inputs(query, key, value, enable_gqa)
     _check_options(dropout_p, scale, is_causal)
+    _check_generator(generator, query)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected None or a backend name, got {type(backend).__name__}")
     mask = _mask_view(attn_mask, query, key)
@@ -113,15 +125,16 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     problem = Problem.of(query, key, value, mask, key_padding_mask, is_causal, float(dropout_p))
     chosen = registry.choose(problem, backend)
-    # Only the reference takes dropout and masks that need a gradient; it runs as differentiable
-    # eager code then, as it does for empty problems, where there is nothing for a kernel to do.
+    # Drawn whichever backend runs, so that a generator state gives the same dropped elements on all.
+    dropout = Dropout(float(dropout_p), next_rng(query.device, generator)) if dropout_p > 0.0 else None
+    # The reference runs as differentiable eager code for dropout and masks that need a gradient, as
+    # it does for empty problems, where there is nothing for a kernel to do.
     if chosen.name == reference.ReferenceBackend.name and (
-            dropout_p > 0.0 or problem.mask_requires_grad or query.numel() == 0 or key.numel() == 0):
-        return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale,
-                                   float(dropout_p))
+            dropout is not None or problem.mask_requires_grad or query.numel() == 0 or key.numel() == 0):
+        return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale, dropout)
     _refuse_forward_mode_ad(query=query, key=key, value=value, attn_mask=mask)
-    return ops.attention(query, key, value, mask, key_padding_mask, is_causal, scale, seq_first,
-                         chosen.name)
+    return ops.attention(query, key, value, mask, key_padding_mask, is_causal, scale, float(dropout_p),
+                         None if dropout is None else dropout.rng, seq_first, chosen.name)
 
 
 def _refuse_forward_mode_ad(**tensors) -> None:
@@ -135,7 +148,7 @@ def _refuse_forward_mode_ad(**tensors) -> None:
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, *, key_padding_mask=None, return_lse=False, backend=None):
+              enable_gqa=False, *, key_padding_mask=None, return_lse=False, backend=None, generator=None):
     """Exact attention, softmax(Q Kᵀ · scale + mask) V, call-compatible with
     `torch.nn.functional.scaled_dot_product_attention`.
 
@@ -145,7 +158,11 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         value: (B, H_kv, L_k, D_v), any strides.
         attn_mask: bool (True = attend) or additive, of query's dtype, broadcastable to
             (B, H_q, L_q, L_k).
-        dropout_p: dropout on the attention weights (applied whenever > 0, as in SDPA).
+        dropout_p: dropout on the attention weights (applied whenever > 0, as in SDPA): kept weights
+            are scaled by 1 / (1 - dropout_p). Which elements are dropped depends only on the
+            generator's state and the element's (b, h, i, j), the same on every backend
+            (`fused_attn.dropout`; `fused_attn.testing.dropout_mask` gives the mask of a call).
+        generator: the torch.Generator dropout draws from (default: that of the tensors' device).
         is_causal: query i sees keys j <= i (top-left aligned); may be combined with masks.
         scale: defaults to 1 / sqrt(D_qk).
         enable_gqa: allow H_q to be a multiple of H_kv (grouped-query attention).
@@ -159,7 +176,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         no key gives 0 and lse -inf.
     """
     out, lse = _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                       key_padding_mask, backend, seq_first=False)
+                       key_padding_mask, backend, seq_first=False, generator=generator)
     return (out, lse) if return_lse else out
 
 
@@ -175,7 +192,7 @@ def _split_heads(name: str, tensor, heads: int, batch_first: bool):
 
 def split_heads_attention(query, key, value, num_heads, attn_mask=None, dropout_p=0.0, is_causal=False,
                           scale=None, *, num_kv_heads=None, key_padding_mask=None, batch_first=True,
-                          return_lse=False, backend=None):
+                          return_lse=False, backend=None, generator=None):
     """Multi-head attention on unsplit (B, L, E) tensors: split heads, attend, merge heads, fused.
 
     The heads are read through strides (the three slices of one packed (B, L, 3E) projection work
@@ -201,7 +218,7 @@ def split_heads_attention(query, key, value, num_heads, attn_mask=None, dropout_
     k = _split_heads("key", key, num_kv_heads, batch_first)
     v = _split_heads("value", value, num_kv_heads, batch_first)
     out, lse = _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, num_kv_heads != num_heads,
-                       key_padding_mask, backend, seq_first=not batch_first)
+                       key_padding_mask, backend, seq_first=not batch_first, generator=generator)
     merged = out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)
     merged = merged.reshape(*merged.shape[:2], -1)
     return (merged, lse) if return_lse else merged

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backends import reference
+from .dropout import Dropout, next_rng
 from .functional import _split_heads, split_heads_attention
 
 
@@ -111,8 +112,9 @@ class MultiheadAttention(nn.MultiheadAttention):
             # The weights returned must be the ones (after dropout) that multiplied the values.
             heads = [_split_heads(n, t, self.num_heads, self.batch_first)
                      for n, t in (("query", q), ("key", k), ("value", v))]
-            out, _, weights = reference.attention(*heads, attn_mask, padding, is_causal, None,
-                                                  dropout_p, return_weights=True)
+            dropout = Dropout(dropout_p, next_rng(q.device))
+            out, _, weights = reference.attention(*heads, attn_mask, padding, is_causal, None, dropout,
+                                                  return_weights=True)
             out = out.permute(0, 2, 1, 3) if self.batch_first else out.permute(2, 0, 1, 3)
             out = out.flatten(2)
         else:

@@ -14,22 +14,32 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .backends import registry
+from .dropout import Dropout
 from .problem import lse_dtype, output_like
 
 
-def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, seq_first, backend):
+def _dropout(dropout_p: float, dropout_rng: Optional[Tensor]) -> Optional[Dropout]:
+    return Dropout(dropout_p, dropout_rng) if dropout_p > 0.0 else None
+
+
+def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
+             seq_first, backend):
     out = output_like(query, value.shape[-1], seq_first)
     lse = registry.get(backend).forward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                        scale, out)
+                                        scale, out, _dropout(dropout_p, dropout_rng))
     return out, lse
 
 
 @torch.library.custom_op("fused_attn::attention_fwd", mutates_args=())
 def attention_fwd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
-                  key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, seq_first: bool,
-                  backend: str) -> tuple[Tensor, Tensor]:
-    """(B, H_q, L_q, D_v) output, laid out as in `output_like`, and its log-sum-exp (B, H_q, L_q)."""
-    return _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, seq_first, backend)
+                  key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, dropout_p: float,
+                  dropout_rng: Optional[Tensor], seq_first: bool, backend: str) -> tuple[Tensor, Tensor]:
+    """(B, H_q, L_q, D_v) output, laid out as in `output_like`, and its log-sum-exp (B, H_q, L_q).
+
+    `dropout_rng` is the call's (seed, offset), int64 (2,) (fused_attn.dropout), when dropout_p > 0.
+    """
+    return _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                    dropout_rng, seq_first, backend)
 
 
 def needs_op(*tensors: Optional[Tensor]) -> bool:
@@ -43,17 +53,19 @@ def needs_op(*tensors: Optional[Tensor]) -> bool:
     return any(t is not None and (type(t) is not Tensor or (grad and t.requires_grad)) for t in tensors)
 
 
-def attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, seq_first, backend):
+def attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
+              seq_first, backend):
     """`attention_fwd`, called as the op where `needs_op`, else as its body: same result."""
-    args = (query, key, value, attn_mask, key_padding_mask, is_causal, scale, seq_first, backend)
+    args = (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
+            seq_first, backend)
     if needs_op(query, key, value, attn_mask, key_padding_mask):
         return attention_fwd(*args)
     return _forward(*args)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, seq_first,
-                        backend):
+def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                        dropout_rng, seq_first, backend):
     out = output_like(query, value.shape[-1], seq_first)
     lse = query.new_empty(query.shape[:-1], dtype=lse_dtype(query.dtype))
     return out, lse
@@ -62,35 +74,36 @@ def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causa
 @torch.library.custom_op("fused_attn::attention_bwd", mutates_args=())
 def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key: Tensor,
                   value: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
-                  key_padding_mask: Optional[Tensor], is_causal: bool, scale: float,
-                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                  key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, dropout_p: float,
+                  dropout_rng: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients with respect to query, key and value."""
     return registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                          scale, out, lse, grad_out, grad_lse)
+                                          scale, out, lse, grad_out, grad_lse,
+                                          _dropout(dropout_p, dropout_rng))
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
-                        is_causal, scale, backend):
+                        is_causal, scale, dropout_p, dropout_rng, backend):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, key_padding_mask, is_causal, scale, _, backend = inputs
+    query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng, _, backend = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask)
-    ctx.is_causal, ctx.scale, ctx.backend = is_causal, scale, backend
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng)
+    ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, attn_mask, key_padding_mask = ctx.saved_tensors
+    query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grad_query, grad_key, grad_value = attention_bwd(
         grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal,
-        ctx.scale, ctx.backend)
-    return grad_query, grad_key, grad_value, None, None, None, None, None, None
+        ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend)
+    return grad_query, grad_key, grad_value, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

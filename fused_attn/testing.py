@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from .backends import reference
+from .dropout import Dropout, keep_mask, peek_rng
 
 # Floors, relative to the largest magnitude of the float64 result (at least 1).
 ERROR_FLOOR = {
@@ -83,10 +84,25 @@ class Results:
                 if getattr(self, field.name) is not None}
 
 
+def dropout_mask(dropout_p: float, batch: int, heads: int, len_q: int, len_k: int, *, device="cpu",
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Bool (B, H_q, L_q, L_k), True = kept: the elements that the next call of `attention` (or
+    `split_heads_attention`) with `dropout_p` and this `generator` (default: that of `device`) will
+    keep, on any backend. The generator is left as it was, so the call that follows uses this mask:
+
+        mask = fused_attn.testing.dropout_mask(0.1, B, H, L_q, L_k, generator=g)
+        out = fused_attn.attention(q, k, v, dropout_p=0.1, generator=g)
+    """
+    rng = peek_rng(torch.device(device), generator)
+    return keep_mask(Dropout(dropout_p, rng), batch, heads, len_q, len_k)
+
+
 def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask=None,
-                      key_padding_mask=None, is_causal=False, scale=None, grad_lse=None) -> Results:
+                      key_padding_mask=None, is_causal=False, scale=None, grad_lse=None,
+                      dropout: Dropout | None = None) -> Results:
     """The einsum reference, on the CPU, in `dtype` (default the inputs'), with autograd gradients
-    through the output (by `grad_out`) and, given `grad_lse`, through the log-sum-exp too.
+    through the output (by `grad_out`) and, given `grad_lse`, through the log-sum-exp too; with
+    `dropout`, dropping exactly the elements a fused backend drops for the same (seed, offset).
 
     Masks are in `attention`'s convention (bool True = attend; additive of query's dtype, which is
     converted to `dtype`). H_q may be a multiple of H_kv.
@@ -103,7 +119,9 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
         mask = attn_mask.detach().cpu()
         mask = mask if mask.dtype == torch.bool else mask.to(dtype)
     padding = None if key_padding_mask is None else key_padding_mask.cpu()
-    out, lse = reference.attention(q, k, v, mask, padding, is_causal, scale)
+    if dropout is not None:
+        dropout = Dropout(dropout.p, dropout.rng.cpu())
+    out, lse = reference.attention(q, k, v, mask, padding, is_causal, scale, dropout)
     results = Results(out.detach(), lse.detach())
     if wants_grad:
         outputs, grads_in = [out], [grad_out.detach().to("cpu", dtype)]
@@ -199,6 +217,7 @@ class Case:
     scale: float | None = None       # None: 1/sqrt(dim_qk)
     hidden_rows: bool = False        # some rows see no key at all
     lse_grad: bool = False           # a gradient flows into the returned log-sum-exp
+    dropout_p: float = 0.0
 
     @property
     def value_dim(self) -> int:
@@ -263,10 +282,22 @@ class Inputs:
     grad_lse: torch.Tensor | None
     attn_mask: torch.Tensor | None        # broadcastable to (B, H_q, L_q, L_k)
     key_padding_mask: torch.Tensor | None  # (B, L_k), True = ignore
+    dropout_seed: int = 0                  # seeds the generator that dropout draws from
 
     @property
     def dtype(self) -> torch.dtype:
         return self.query.dtype
+
+    def dropout_generator(self) -> torch.Generator:
+        """A fresh generator in the state the call starts from (one per call, so the reference and
+        the backend drop the same elements)."""
+        return torch.Generator(self.query.device).manual_seed(self.dropout_seed)
+
+    def dropout(self) -> Dropout | None:
+        """The dropout the call with `dropout_generator()` will apply, or None."""
+        if self.case.dropout_p == 0.0:
+            return None
+        return Dropout(self.case.dropout_p, peek_rng(self.query.device, self.dropout_generator()))
 
     def mask_view(self) -> torch.Tensor | None:
         """The mask as every backend receives it: (B, H_q, L_q, L_k), stride 0 where broadcast."""
@@ -308,7 +339,8 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
     if case.lse_grad:  # (B, L_q, H_q) storage viewed as (B, H_q, L_q)
         grad_lse = torch.randn(case.batch, case.len_q, case.heads_q, generator=generator).to(device)
         grad_lse = grad_lse.permute(0, 2, 1)
-    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding)
+    dropout_seed = int(torch.randint(0, 2 ** 62, (), generator=generator))
+    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding, dropout_seed)
 
 
 def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
@@ -317,7 +349,7 @@ def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
     return reference_results(inputs.query, inputs.key, inputs.value, inputs.grad_out, dtype=dtype,
                              attn_mask=inputs.mask_view(), key_padding_mask=inputs.key_padding_mask,
                              is_causal=inputs.case.is_causal, scale=inputs.case.scale,
-                             grad_lse=inputs.grad_lse)
+                             grad_lse=inputs.grad_lse, dropout=inputs.dropout())
 
 
 def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, float]]:
@@ -344,7 +376,8 @@ def run_attention(inputs: Inputs, backend: str) -> Results:
     q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
     out, lse = attention(q, k, v, attn_mask=inputs.attn_mask, is_causal=case.is_causal, scale=case.scale,
                          enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=inputs.key_padding_mask,
-                         return_lse=True, backend=backend)
+                         return_lse=True, backend=backend, dropout_p=case.dropout_p,
+                         generator=inputs.dropout_generator())
     outputs, grads_in = [out], [inputs.grad_out]
     if inputs.grad_lse is not None:
         outputs.append(lse)

@@ -6,6 +6,7 @@ set before any kernel module is imported, hence here. Tests marked `cuda` skip c
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,3 +37,73 @@ def static_gpu_report():
     from bench import inspect
 
     return inspect.run_json()
+
+
+@pytest.fixture(scope="session")
+def interpreter_remedies():
+    """Makes Triton's interpreter compute what the GPU computes, leaving the kernels alone; for every
+    test that runs the triton kernels on CPU tensors.
+
+    Faults of the interpreter, each patched inside the interpreter (the same remedies on every
+    supported Triton, 3.5 to 3.9: they give what the GPU computes wherever the fault is absent too):
+    - `tl.dot` on bf16 operands multiplies their raw uint16 bit patterns; the remedy converts the
+      operands to fp32 first (tensor cores: exact products, fp32 accumulation).
+    - fp32 -> bf16 conversion truncates the mantissa, where the GPU rounds to nearest even; the
+      truncation's bias accumulates (in dS rounded before dQ = dS K it exceeded the error bound).
+      The remedy rounds to nearest even, as torch does.
+    - Triton 3.5 and 3.6 turn a one-element block into a Python index with `int(array)`, which
+      NumPy 2 refuses for arrays of one dimension (a loop bound `tl.minimum(L_K, ...)` is one); 3.7
+      squeezes the array first, and so does the remedy.
+    Returns counters {"bf16_dots": n, "bf16_casts": n} and the interpreter's own methods.
+    """
+    counter = {"bf16_dots": 0, "bf16_casts": 0, "create_dot": None, "cast_impl": None}
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        from fused_attn.backends import triton_kernels as tk
+    except ImportError:  # no Triton: nothing to patch
+        yield counter
+        return
+    if HAS_CUDA or not tk.interpreting():
+        yield counter
+        return
+
+    original_dot = counter["create_dot"] = interpreter.InterpreterBuilder.create_dot
+    original_cast = counter["cast_impl"] = interpreter.InterpreterBuilder.cast_impl
+
+    def as_float32(handle):
+        if handle.dtype != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            counter["bf16_dots"] += 1
+            a, b = as_float32(a), as_float32(b)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            counter["bf16_casts"] += 1
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    original_patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, *scope):
+        original_patch_tensor(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:  # Triton 3.6 and later undo their patches of triton.language through a scope
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+        patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+        patch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
+        yield counter

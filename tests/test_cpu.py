@@ -291,12 +291,53 @@ def test_bitwise_deterministic_across_runs_and_thread_counts(generator, small_bl
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+DROPOUT_CASES = {
+    "plain": testing.Case(dropout_p=0.3, len_q=37, len_k=70),
+    "causal_additive": testing.Case(dropout_p=0.2, is_causal=True, mask="additive", mask_shape="heads_keys",
+                                    len_q=33, len_k=75),
+    "gqa_padding_lse_grad": testing.Case(dropout_p=0.5, heads_q=4, heads_kv=2, key_padding=True, lse_grad=True,
+                                         dim_qk=24, dim_v=8),
+    "hidden_rows_bool": testing.Case(dropout_p=0.9, hidden_rows=True, mask="bool", mask_shape="batch",
+                                     is_causal=True),
+}
+
+
+@pytest.mark.parametrize("rotation", range(len(testing.LAYOUTS)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(DROPOUT_CASES))
+def test_dropout_meets_criterion(generator, small_blocks, name, dtype, rotation):
+    """Dropout with other features, through `attention` and autograd, against the float64 reference
+    that drops the very same elements (fused_attn.dropout)."""
+    inputs = testing.random_inputs(DROPOUT_CASES[name], dtype, rotation, generator)
+    testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
+@pytest.mark.parametrize("block_k", ["10", "512"])
+def test_dropout_with_key_blocks_not_multiple_of_four(generator, monkeypatch, block_k):
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", block_k)
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_Q", "16")
+    inputs = testing.random_inputs(DROPOUT_CASES["plain"], torch.float32, 1, generator)
+    testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dropout_gradients_deterministic_across_thread_counts(generator, small_blocks, dtype):
+    inputs = testing.random_inputs(DROPOUT_CASES["gqa_padding_lse_grad"], dtype, 2, generator)
+    threads = torch.get_num_threads()
+    try:
+        first = testing.run_attention(inputs, "cpu")
+        torch.set_num_threads(1)
+        single = testing.run_attention(inputs, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    for name, value in first.named().items():
+        assert torch.equal(value, single.named()[name]), name
+
+
 def test_refusals():
     backend = registry.get("cpu")
     q = torch.randn(1, 1, 2, 4)
     mask = torch.zeros(1, 1, 2, 2, requires_grad=True)
-    with pytest.raises(registry.BackendError, match="dropout"):
-        fused_attn.attention(q, q, q, dropout_p=0.5, backend="cpu")
     with pytest.raises(registry.BackendError, match="attn_mask"):
         fused_attn.attention(q, q, q, attn_mask=mask, backend="cpu")
     assert backend.devices == ("cpu",)

@@ -319,9 +319,9 @@ def test_cuda_ops_pass_opcheck(generator):
     inputs = testing.random_inputs(case, torch.float16, 1, generator, "cuda")
     q, k, v = (t.requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
     mask = inputs.mask_view()
-    args = (q, k, v, mask, inputs.key_padding_mask, True, 0.2, False, "cuda")
+    args = (q, k, v, mask, inputs.key_padding_mask, True, 0.2, 0.0, None, False, "cuda")
     torch.library.opcheck(ops.attention_fwd, args)
     out, lse = ops.attention_fwd(*args)
     torch.library.opcheck(ops.attention_bwd, (inputs.grad_out, None, q.detach(), k.detach(), v.detach(),
                                               out.detach(), lse.detach(), mask, inputs.key_padding_mask, True,
-                                              0.2, "cuda"))
+                                              0.2, 0.0, None, "cuda"))

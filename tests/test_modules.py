@@ -223,3 +223,34 @@ def test_fully_masked_query_gives_zero_not_nan(generator):
     assert (weights[:, 2] == 0).all()
     expected_row = ours.out_proj.bias.expand(BATCH, EMBED)
     torch.testing.assert_close(out[:, 2], expected_row)
+
+
+def test_default_encoder_trains_on_the_fused_kernels_with_dropout(generator, monkeypatch):
+    """PyTorch's default encoder layer (dropout=0.1), swapped and trained: every attention call runs
+    on a fused backend, and torch.manual_seed reproduces a step exactly."""
+    from fused_attn.backends import registry
+
+    torch.manual_seed(2)
+    layer = nn.TransformerEncoderLayer(EMBED, HEADS, dim_feedforward=16, batch_first=True)
+    model = fused_attn.replace_attention(nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False))
+    model.train()
+    src = torch.randn(BATCH, LEN_Q, EMBED, generator=generator)
+    chosen = []
+    original = registry.choose
+    monkeypatch.setattr(registry, "choose", lambda *a, **k: chosen.append(original(*a, **k).name)
+                        or original(*a, **k))
+
+    def step(seed):
+        torch.manual_seed(seed)
+        out = model(src)
+        return out, torch.autograd.grad(out.square().sum(), list(model.parameters()))
+
+    first, second, other = step(5), step(5), step(6)
+    fused = [name for name, why in fused_attn.available_backends().items()
+             if why is None and name != "reference" and "cpu" in registry.get(name).devices]
+    assert fused and set(chosen) <= set(fused), chosen
+    assert len(chosen) == 6  # two layers, three steps
+    torch.testing.assert_close(first[0], second[0], rtol=0, atol=0)
+    for a, b in zip(first[1], second[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(first[0], other[0])

@@ -30,22 +30,28 @@ def sample_inputs(dtype=torch.float32, requires_grad=True):
     additive = testing.random_mask((2, 4, 5, 6), "additive", dtype, generator=generator)
     padding = torch.rand(2, 6, generator=generator) < 0.3
     q, k, v = tensor((2, 4, 5, 8), "packed"), tensor((2, 2, 6, 8), "seq_first"), tensor((2, 2, 6, 3), "reversed")
+    rng = torch.tensor([0x1234_5678_9ABC_DEF0, 3])  # (seed, offset) of fused_attn.dropout
+    # (q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng, seq_first)
     return [
-        ((q, k, v, None, None, False, 0.35, False), "gqa, plain"),
-        ((q, k, v, bool_mask, padding, True, 0.35, True), "bool mask, padding, causal, seq-first output"),
-        ((q, k, v, additive, None, False, 1.0, False), "additive mask"),
+        ((q, k, v, None, None, False, 0.35, 0.0, None, False), "gqa, plain"),
+        ((q, k, v, bool_mask, padding, True, 0.35, 0.0, None, True),
+         "bool mask, padding, causal, seq-first output"),
+        ((q, k, v, additive, None, False, 1.0, 0.0, None, False), "additive mask"),
+        ((q, k, v, bool_mask, padding, True, 0.35, 0.3, rng, False), "dropout"),
     ]
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
 def test_opcheck_forward_and_backward(backend):
     for args, description in sample_inputs():
+        if args[7] > 0.0 and not registry.get(backend).takes_dropout:
+            continue
         torch.library.opcheck(ops.attention_fwd, (*args, backend))
         query, key, value = args[:3]
         out, lse = ops.attention_fwd(*args, backend)
         grad_out = torch.randn_like(out)
         bwd_args = (grad_out, None, query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
-                    *args[3:7], backend)
+                    *args[3:9], backend)
         torch.library.opcheck(ops.attention_bwd, bwd_args)
 
 

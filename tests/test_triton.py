@@ -52,65 +52,9 @@ SMALL_TILES = dict(fwd=tk.KernelConfig(16, 32, 4, 1), bwd_dkdv=tk.KernelConfig(3
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)
-def bf16_dot_remedy():
-    """Makes the interpreter's bfloat16 arithmetic what the GPU computes, leaving the kernels alone.
-
-    Faults of the interpreter, each patched inside the interpreter (the same remedies on every
-    supported Triton, 3.5 to 3.9: they give what the GPU computes wherever the fault is absent too):
-    - `tl.dot` on bf16 operands multiplies their raw uint16 bit patterns; the remedy converts the
-      operands to fp32 first (tensor cores: exact products, fp32 accumulation).
-    - fp32 -> bf16 conversion truncates the mantissa, where the GPU rounds to nearest even; the
-      truncation's bias accumulates (in dS rounded before dQ = dS K it exceeded the error bound).
-      The remedy rounds to nearest even, as torch does.
-    - Triton 3.5 and 3.6 turn a one-element block into a Python index with `int(array)`, which
-      NumPy 2 refuses for arrays of one dimension (a loop bound `tl.minimum(L_K, ...)` is one); 3.7
-      squeezes the array first, and so does the remedy.
-    Returns counters {"bf16_dots": n, "bf16_casts": n} and the interpreter's own methods.
-    """
-    counter = {"bf16_dots": 0, "bf16_casts": 0, "create_dot": None, "cast_impl": None}
-    if HAS_CUDA or not tk.interpreting():
-        yield counter
-        return
-    from triton.runtime import interpreter
-
-    original_dot = counter["create_dot"] = interpreter.InterpreterBuilder.create_dot
-    original_cast = counter["cast_impl"] = interpreter.InterpreterBuilder.cast_impl
-
-    def as_float32(handle):
-        if handle.dtype != tl.bfloat16:
-            return handle
-        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
-            counter["bf16_dots"] += 1
-            a, b = as_float32(a), as_float32(b)
-        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            counter["bf16_casts"] += 1
-            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits, tl.bfloat16)
-        return original_cast(self, src, dst_type)
-
-    original_patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, *scope):
-        original_patch_tensor(tensor, *scope)
-        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
-        if scope:  # Triton 3.6 and later undo their patches of triton.language through a scope
-            scope[0].set_attr(tensor, "__index__", index)
-        else:
-            tensor.__index__ = index
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
-        patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-        patch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
-        yield counter
+def bf16_dot_remedy(interpreter_remedies):
+    """conftest's `interpreter_remedies`, for every test here: counters and the original methods."""
+    return interpreter_remedies
 
 
 @pytest.fixture(autouse=True)
@@ -151,6 +95,12 @@ CASES = {
     "hidden_rows_additive": Case(hidden_rows=True, mask="additive", mask_shape="batch"),
     "lse_grad": Case(lse_grad=True, is_causal=True, mask="bool", mask_shape="2d"),
     "lse_grad_gqa": Case(lse_grad=True, heads_q=4, heads_kv=2, key_padding=True),
+    "dropout": Case(dropout_p=0.3),
+    "dropout_causal_mask": Case(dropout_p=0.17, is_causal=True, mask="additive", mask_shape="heads_keys",
+                                len_q=23, len_k=45),
+    "dropout_gqa_padding_lse_grad": Case(dropout_p=0.5, heads_q=4, heads_kv=2, key_padding=True,
+                                         lse_grad=True, dim_qk=24, dim_v=8),
+    "dropout_hidden_rows": Case(dropout_p=0.9, hidden_rows=True, mask="bool", mask_shape="batch"),
 }
 
 # Each rotation gives q, k, v, out and grad_out five different layouts, and across the rotations
@@ -175,9 +125,11 @@ def run_backend(inputs: testing.Inputs, out_layout: str | None = None) -> testin
     q, k, v = inputs.query, inputs.key, inputs.value
     mask = inputs.mask_view()
     out = inputs.out if out_layout is None else testing.poisoned_output(q, case.value_dim, out_layout)
-    lse = BACKEND.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale, out)
+    dropout = inputs.dropout()
+    lse = BACKEND.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale, out,
+                          dropout)
     dq, dk, dv = BACKEND.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale,
-                                  out, lse, inputs.grad_out, inputs.grad_lse)
+                                  out, lse, inputs.grad_out, inputs.grad_lse, dropout)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
     return testing.Results(out, lse, dq, dk, dv)
@@ -233,7 +185,11 @@ def test_opcheck_with_triton_backend(generator):
     k = torch.randn(1, 2, 24, 16, generator=generator).to(DEVICE).requires_grad_()
     v = torch.randn(1, 2, 24, 16, generator=generator).to(DEVICE).requires_grad_()
     with tk.forced_configs(**SMALL_TILES):
-        torch.library.opcheck(fused_attn.ops.attention_fwd, (q, k, v, None, None, True, 0.25, False, "triton"))
+        torch.library.opcheck(fused_attn.ops.attention_fwd,
+                              (q, k, v, None, None, True, 0.25, 0.0, None, False, "triton"))
+        rng = torch.tensor([12345, 6], device=DEVICE)
+        torch.library.opcheck(fused_attn.ops.attention_fwd,
+                              (q, k, v, None, None, True, 0.25, 0.2, rng, False, "triton"))
 
 
 def _recording_launches(monkeypatch):
@@ -364,10 +320,19 @@ def _small(dtype=torch.float32, device=DEVICE):
     return [torch.randn(1, 2, 5, 8, generator=g).to(dtype).to(device) for _ in range(3)]
 
 
-def test_explicit_request_refused_for_dropout_lists_reasons():
-    q, k, v = _small()
-    with pytest.raises(registry.BackendError, match=r"'triton' cannot run.*triton: dropout is not supported"):
-        fused_attn.attention(q, k, v, dropout_p=0.1, backend="triton")
+def test_dropout_drops_the_mask_the_public_helper_gives(generator):
+    """The public path: `testing.dropout_mask` before a call, then the call with the same generator,
+    against attention written out with that mask."""
+    q, k, v = (torch.randn(2, 3, 21, 16, generator=generator).to(DEVICE) for _ in range(3))
+    state = torch.Generator(DEVICE).manual_seed(77)
+    keep = testing.dropout_mask(0.4, 2, 3, 21, 21, device=DEVICE, generator=state)
+    out = fused_attn.attention(q, k, v, dropout_p=0.4, is_causal=True, backend="triton", generator=state)
+    weights = torch.softmax((q @ k.transpose(-1, -2) / 4).masked_fill(torch.ones(21, 21, dtype=torch.bool,
+                            device=DEVICE).triu(1), float("-inf")), dim=-1)
+    expected = (weights * keep / 0.6) @ v
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    # The generator advanced: the next call drops other elements.
+    assert not torch.equal(testing.dropout_mask(0.4, 2, 3, 21, 21, device=DEVICE, generator=state), keep)
 
 
 def test_explicit_request_refused_for_mask_requiring_grad():

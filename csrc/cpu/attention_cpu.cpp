@@ -108,6 +108,27 @@ Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, 
   return p;
 }
 
+// The call's dropout: probability in [0, 1) and, when it is above 0, its (seed, offset) as an int64
+// CPU tensor of two elements (fused_attn/dropout.py draws it).
+fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
+                                           const std::optional<at::Tensor>& dropout_rng) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p: expected a number in [0, 1), got ",
+              dropout_p);
+  fused_attn::DropoutParams d;
+  if (dropout_p == 0.0) return d;
+  TORCH_CHECK(dropout_rng.has_value() && dropout_rng->defined(), op,
+              ": dropout_rng: expected the call's (seed, offset) with dropout_p > 0, got none");
+  check_tensor(op, "dropout_rng", *dropout_rng, 1, {2}, at::kLong);
+  const at::Tensor rng = dropout_rng->contiguous();
+  const int64_t* values = rng.data_ptr<int64_t>();
+  d.enabled = true;
+  d.seed = static_cast<uint64_t>(values[0]);
+  d.offset = static_cast<uint32_t>(static_cast<uint64_t>(values[1]));
+  d.threshold = static_cast<uint32_t>(std::min(std::llround(dropout_p * 4294967296.0), 4294967295LL));
+  d.keep_scale = 1.0 / (1.0 - dropout_p);
+  return d;
+}
+
 // Block sizes and the product, with environment overrides for benchmarking:
 // FUSED_ATTN_CPU_BLOCK_Q, FUSED_ATTN_CPU_BLOCK_K, FUSED_ATTN_CPU_BRGEMM=0.
 int64_t env_int(const char* name, int64_t fallback) {
@@ -189,9 +210,11 @@ void run(const Params& p, bool backward) {
 at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                         double scale, const at::Tensor& out) {
+                         double scale, const at::Tensor& out, double dropout_p,
+                         const std::optional<at::Tensor>& dropout_rng) {
   const char* op = "flash_forward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  p.dropout = describe_dropout(op, dropout_p, dropout_rng);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
   fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key}, {"value", &value}});
   p.out = view_of(out);
@@ -207,9 +230,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse) {
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
+    const std::optional<at::Tensor>& dropout_rng) {
   const char* op = "flash_backward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  p.dropout = describe_dropout(op, dropout_p, dropout_rng);
   const auto dtype = query.scalar_type();
   const auto stat_dtype = lse_dtype(dtype);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, dtype);

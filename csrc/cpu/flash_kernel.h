@@ -466,6 +466,33 @@ inline void log_in_place(T* x, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dropout (csrc/dropout.h): the random integers of a row's keys k0 .. k0 + n, then the row with the
+// dropped entries zeroed and, where asked, the kept ones scaled.
+
+inline void dropout_row_bits(const fused_attn::DropoutParams& d, int64_t batch_head, int64_t query, int64_t k0,
+                             int64_t n, uint32_t* bits) {
+  uint32_t quad_bits[4];
+  for (int64_t j = 0; j < n;) {  // one Philox block per four keys; k0 need not be a multiple of 4
+    const int64_t key = k0 + j;
+    fused_attn::dropout_bits(d, static_cast<uint32_t>(batch_head), static_cast<uint32_t>(query),
+                             static_cast<uint32_t>(key / 4), quad_bits);
+    for (int64_t lane = key % 4; lane < 4 && j < n; ++lane, ++j) bits[j] = quad_bits[lane];
+  }
+}
+
+template <typename T>
+inline void drop_row(T* row, const uint32_t* bits, int64_t n, uint32_t threshold) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (bits[j] < threshold) row[j] = T(0);
+  }
+}
+
+template <typename T>
+inline void drop_and_scale_row(T* row, const uint32_t* bits, int64_t n, uint32_t threshold, T kept) {
+  for (int64_t j = 0; j < n; ++j) row[j] = bits[j] < threshold ? T(0) : row[j] * kept;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Forward.
 
 // Query rows per work item: several query blocks share each packed key/value block (packing costs
@@ -495,6 +522,7 @@ void forward_impl(const Params& p) {
   const int64_t Dpad = vnni ? round_up(D, 2) : D;
   const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
   const acc_t scale = static_cast<acc_t>(p.scale);
+  const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);  // 1 without dropout
   const bool plain_scores = scores_are_plain(p);
   // Query rows that already are the A operand of S = Q Kᵀ (the operand type, contiguous along D,
   // no padding column) feed it in place, at their own row stride; others are packed per item.
@@ -504,7 +532,8 @@ void forward_impl(const Params& p) {
                                Scratch::bytes<ct>(BKpad * Dv) + Scratch::bytes<acc_t>(BQ * BK) +
                                (separate_p ? Scratch::bytes<ct>(BQ * BKpad) : 0) +
                                Scratch::bytes<acc_t>(rows_per_item * Dv) +
-                               2 * Scratch::bytes<acc_t>(rows_per_item);
+                               2 * Scratch::bytes<acc_t>(rows_per_item) +
+                               (p.dropout.enabled ? Scratch::bytes<uint32_t>(BK) : 0);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
   const auto* Vt = static_cast<const scalar_t*>(p.value.data);
@@ -521,6 +550,7 @@ void forward_impl(const Params& p) {
     acc_t* obuf = scratch.take<acc_t>(rows_per_item * Dv);
     acc_t* row_max = scratch.take<acc_t>(rows_per_item);
     acc_t* row_sum = scratch.take<acc_t>(rows_per_item);
+    uint32_t* bits = p.dropout.enabled ? scratch.take<uint32_t>(BK) : nullptr;
 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item % chunks;
@@ -590,6 +620,10 @@ void forward_impl(const Params& p) {
             const acc_t alpha = k0 == 0 || *m == m_new ? acc_t(1) : std::exp(*m - m_new);
             const acc_t sum = exp_row(srow, visible, row_scale, m_new, prow);
             std::fill(prow + visible, prow + width_pad, ct(0));
+            if (p.dropout.enabled) {  // the sum is of the undropped weights; kept ones scale at the end
+              dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0, visible, bits);
+              drop_row(prow, bits, visible, p.dropout.threshold);
+            }
             *l = *l * alpha + sum;
             *m = m_new;
             if (alpha != acc_t(1)) scale_row(obuf + (r0 + r) * Dv, Dv, alpha);
@@ -602,7 +636,7 @@ void forward_impl(const Params& p) {
         const int64_t qi = c0 + r;
         const bool seen = row_sum[r] > acc_t(0);
         scalar_t* o_row = O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2];
-        store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, seen ? acc_t(1) / row_sum[r] : acc_t(0));
+        store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, seen ? keep_scale / row_sum[r] : acc_t(0));
       }
       log_in_place(row_sum, rows);  // log 0 = -inf: the lse of a row that saw no key
       for (int64_t r = 0; r < rows; ++r) {
@@ -694,7 +728,9 @@ void backward_impl(const Params& p) {
       Scratch::bytes<ct>(BQpad * Dv) + 2 * Scratch::bytes<acc_t>(BQ * BK) +
       2 * Scratch::bytes<ct>(BK * BQpad) + Scratch::bytes<ct>(BQ * BKpad) +
       Scratch::bytes<acc_t>(BK * D) + Scratch::bytes<acc_t>(BK * Dv) +
-      Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(BK * BQpad);
+      Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(BK * BQpad) +
+      (p.dropout.enabled ? Scratch::bytes<uint32_t>(BK) : 0);
+  const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);  // 1 without dropout
   const bool plain_scores = scores_are_plain(p);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
@@ -724,6 +760,7 @@ void backward_impl(const Params& p) {
     acc_t* dv_acc = scratch.take<acc_t>(BK * Dv);
     acc_t* dq_acc = scratch.take<acc_t>(groups * Lq * D);
     acc_t* tbuf = std::is_same_v<ct, acc_t> ? nullptr : scratch.take<acc_t>(BK * BQpad);
+    uint32_t* bits = p.dropout.enabled ? scratch.take<uint32_t>(BK) : nullptr;
 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t hk = item % p.heads_kv;
@@ -779,7 +816,14 @@ void backward_impl(const Params& p) {
               // Scores are scaled inside the exp when nothing else applies; srow then holds P.
               if (!plain_scores) prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
               exp_row(srow, visible, plain_scores ? scale : acc_t(1), lse, srow);
+              // With dropout, O = (Z ∘ P / (1 - p)) V: the gradient of the undropped weights is
+              // Z ∘ dP / (1 - p), and dV takes Z ∘ P (scaled by 1 / (1 - p) when stored).
+              if (p.dropout.enabled) {
+                dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0, visible, bits);
+                drop_and_scale_row(dprow, bits, visible, p.dropout.threshold, keep_scale);
+              }
               grad_scores(srow, dprow, visible, d);  // dprow now holds dS
+              if (p.dropout.enabled) drop_row(srow, bits, visible, p.dropout.threshold);
               std::fill(srow + visible, srow + bk, acc_t(0));
               std::fill(dprow + visible, dprow + bk, acc_t(0));
             }
@@ -807,7 +851,7 @@ void backward_impl(const Params& p) {
           store_row(dK + b * p.grad_key.s[0] + hk * p.grad_key.s[1] + kj * p.grad_key.s[2],
                     p.grad_key.s[3], dk_acc + j * D, D, scale);
           store_row(dV + b * p.grad_value.s[0] + hk * p.grad_value.s[1] + kj * p.grad_value.s[2],
-                    p.grad_value.s[3], dv_acc + j * Dv, Dv, acc_t(1));
+                    p.grad_value.s[3], dv_acc + j * Dv, Dv, keep_scale);
         }
       }
       for (int64_t g = 0; g < groups; ++g) {

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "../dropout.h"
+
 namespace fused_attn_cpu {
 
 enum class Dtype { Float32, Float64, BFloat16, Float16 };
@@ -28,6 +30,7 @@ struct Params {
   View key_padding;        // bool (B, L_k) in s[0], s[1]; data null when absent
   bool causal = false;
   double scale = 1.0;
+  fused_attn::DropoutParams dropout;  // enabled: drop the elements of csrc/dropout.h's stream
   View out;                // (B, H_q, L_q, D_v)
   View lse;                // (B, H_q, L_q) in s[0..2]; float32, or float64 for float64 inputs
   // Backward only.

@@ -64,10 +64,18 @@ CudaLaunch launcher_for(const at::Tensor& query) {
   return CudaLaunch{c10::cuda::getCurrentCUDAStream(device).stream(), max_shared_bytes};
 }
 
+// The CUDA kernels take no dropout yet; the registry gives dropout to the triton backend instead.
+void refuse_dropout(const char* op, double dropout_p) {
+  TORCH_CHECK(dropout_p == 0.0, op, ": dropout_p: the CUDA kernels do not implement dropout, got ",
+              dropout_p);
+}
+
 at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         const std::optional<at::Tensor>& attn_mask,
                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                        double scale, const at::Tensor& out) {
+                        double scale, const at::Tensor& out, double dropout_p,
+                        const std::optional<at::Tensor>& /*dropout_rng*/) {
+  refuse_dropout("flash_forward", dropout_p);
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
@@ -78,7 +86,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse) {
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
+    const std::optional<at::Tensor>& /*dropout_rng*/) {
+  refuse_dropout("flash_backward", dropout_p);
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, lse, "lse");
   check_device(query, grad_out, "grad_out");

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dropout import Dropout
 from ..problem import Problem
 
 
@@ -51,12 +52,17 @@ class Backend:
         return reasons
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal: bool, scale: float,
-                out: torch.Tensor) -> torch.Tensor:
-        """Writes the attention output into `out`; returns the log-sum-exp (B, H_q, L_q), in `lse_dtype`."""
+                out: torch.Tensor, dropout: Dropout | None = None) -> torch.Tensor:
+        """Writes the attention output into `out`; returns the log-sum-exp (B, H_q, L_q), in `lse_dtype`.
+
+        `dropout` (only for backends that declare `takes_dropout`) drops the elements that
+        `fused_attn.dropout` defines and scales the kept ones; the log-sum-exp is of the undropped
+        scores."""
         raise NotImplementedError
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal: bool, scale: float,
-                 out, lse, grad_out, grad_lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 out, lse, grad_out, grad_lse, dropout: Dropout | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (grad_query, grad_key, grad_value), each laid out as `torch.empty_like` of its input
         (the fake kernel promises that layout to torch.compile).
 

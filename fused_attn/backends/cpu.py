@@ -16,3 +16,4 @@ from .extension import ExtensionBackend
 class CpuBackend(ExtensionBackend):
     name = "cpu"
     devices = ("cpu",)
+    takes_dropout = True

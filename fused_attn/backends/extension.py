@@ -9,17 +9,23 @@ from .. import _extension
 from .base import Backend
 
 
+def _dropout_args(dropout):
+    """(dropout_p, dropout_rng) of the C++ ops."""
+    return (0.0, None) if dropout is None else (dropout.p, dropout.rng)
+
+
 class ExtensionBackend(Backend):
     """Calls the extension's ops; the dispatcher picks the kernel of the tensors' device."""
 
     def unavailable(self) -> str | None:
         return _extension.missing_reason
 
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
         return torch.ops.fused_attn.flash_forward(query, key, value, attn_mask, key_padding_mask,
-                                                  is_causal, scale, out)
+                                                  is_causal, scale, out, *_dropout_args(dropout))
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse):
+                 grad_out, grad_lse, dropout=None):
         return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
-                                                   is_causal, scale, out, lse, grad_out, grad_lse)
+                                                   is_causal, scale, out, lse, grad_out, grad_lse,
+                                                   *_dropout_args(dropout))

@@ -8,8 +8,8 @@ require a gradient.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..dropout import Dropout, keep_mask
 from ..problem import lse_dtype
 from .base import Backend
 
@@ -71,18 +71,24 @@ def weighted_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return out.reshape(batch, heads_q, len_q, value.shape[-1])
 
 
+def dropped(probs: torch.Tensor, dropout: Dropout | None) -> torch.Tensor:
+    """The weights after dropout: the elements fused_attn.dropout keeps, scaled by 1 / (1 - p)."""
+    if dropout is None:
+        return probs
+    keep = keep_mask(dropout, *probs.shape)
+    return torch.where(keep, probs * dropout.keep_scale, torch.zeros((), dtype=probs.dtype, device=probs.device))
+
+
 def attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-              dropout_p=0.0, return_weights=False):
+              dropout=None, return_weights=False):
     """Differentiable attention in the inputs' dtype: returns (out, lse) or (out, lse, weights).
 
-    `lse` is in `lse_dtype(query.dtype)`; `weights` are the probabilities after dropout,
-    the ones that multiplied the values.
+    `lse` is in `lse_dtype(query.dtype)` (of the undropped scores); `weights` are the probabilities
+    after `dropout` (a fused_attn.dropout.Dropout, or None), the ones that multiplied the values.
     """
     scores = masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale)
     lse = log_sum_exp(scores)
-    probs = probabilities(scores)
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
+    probs = dropped(probabilities(scores), dropout)
     out = weighted_values(probs, value)
     return (out, lse, probs) if return_weights else (out, lse)
 
@@ -99,18 +105,20 @@ class ReferenceBackend(Backend):
     takes_dropout = True
     takes_mask_gradient = True
 
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
-        result, lse = attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale)
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
+        result, lse = attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout)
         out.copy_(result)
         return lse
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse):
+                 grad_out, grad_lse, dropout=None):
         heads_kv = key.shape[1]
         probs = probabilities(masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale))
-        grad_value = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", probs, grad_out), heads_kv)
+        grad_value = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", dropped(probs, dropout), grad_out),
+                                      heads_kv)
         grad_probs = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(grad_out, heads_kv), value)
-        grad_probs = grad_probs.reshape(probs.shape)
+        # The gradient of the undropped weights: dropout's mask and scale, applied to the other side.
+        grad_probs = dropped(grad_probs.reshape(probs.shape), dropout)
         delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1, keepdim=True)
         if grad_lse is not None:
             delta = delta - grad_lse.unsqueeze(-1)

@@ -37,6 +37,7 @@ class TritonBackend(Backend):
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     max_head_dim = 256
+    takes_dropout = True
 
     def unavailable(self) -> str | None:
         if (reason := triton_compat.unsupported()) is not None:
@@ -64,18 +65,19 @@ class TritonBackend(Backend):
             return ["bfloat16 needs compute capability 8.0 or newer"]
         return []
 
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out):
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
         batch, heads_q, len_q, _ = query.shape
         if out.numel() == 0 or key.shape[2] == 0:
             # Nothing to launch: no rows, or rows that see no key (output 0, lse -inf).
             out.zero_()
             return torch.full((batch, heads_q, len_q), float("-inf"), dtype=torch.float32,
                               device=query.device)
-        return _kernels().forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out)
+        return _kernels().forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
+                                  dropout)
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse):
+                 grad_out, grad_lse, dropout=None):
         if out.numel() == 0 or key.shape[2] == 0:
             return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         return _kernels().backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                   out, lse, grad_out, grad_lse)
+                                   out, lse, grad_out, grad_lse, dropout)

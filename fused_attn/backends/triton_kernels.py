@@ -53,8 +53,41 @@ import triton.language as tl
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _dropout_bits(RNG, batch_head, offs_m, start_n, BLOCK_N: tl.constexpr):
+    """The 32-bit random integers of a (query rows `offs_m`, keys start_n .. start_n + BLOCK_N) tile,
+    uint32 [len(offs_m), BLOCK_N]: the formula of fused_attn.dropout (Philox4x32-10 on counter
+    (j // 4, i, b * H_q + h, offset), key = seed, output j % 4). One Philox block serves four keys,
+    so the rounds run on a quarter of the tile; `start_n` is a multiple of 4."""
+    seed = tl.load(RNG)
+    offset = tl.load(RNG + 1)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    quads = start_n // 4 + tl.arange(0, BLOCK_N // 4)
+    zero = (offs_m[:, None] * 0 + quads[None, :] * 0).to(tl.uint32)
+    c0 = zero + quads[None, :].to(tl.uint32)
+    c1 = zero + offs_m[:, None].to(tl.uint32)
+    c2 = zero + batch_head.to(tl.uint32)
+    c3 = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
+    for _ in tl.static_range(10):
+        high_0 = tl.umulhi(c0, 0xD2511F53)
+        high_1 = tl.umulhi(c2, 0xCD9E8D57)
+        low_0 = c0 * 0xD2511F53
+        low_1 = c2 * 0xCD9E8D57
+        c0 = high_1 ^ c1 ^ k0
+        c2 = high_0 ^ c3 ^ k1
+        c1 = low_1
+        c3 = low_0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    # join appends a last axis: [rows, quads, a, b] holds output a + 2b of this nesting, so output
+    # 2a + b of the quad is at row-major position 4 * quad + 2a + b, the key it belongs to.
+    lanes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(lanes, [offs_m.shape[0], BLOCK_N])
+
+
+@triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM,
+    Q, K, V, O, LSE, MASK, KPM, RNG,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -62,9 +95,9 @@ def _attn_fwd(
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn,
-    H_Q, GROUP, L_Q, L_K, qk_scale,
+    H_Q, GROUP, L_Q, L_K, qk_scale, drop_threshold, keep_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
@@ -127,6 +160,10 @@ def _attn_fwd(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            # The sum above is of the undropped weights; the kept ones are scaled at the end.
+            bits = _dropout_bits(RNG, pid_bh, offs_m, start_n, BLOCK_N)
+            p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
         v = tl.load(v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         acc = acc * alpha[:, None]
@@ -137,6 +174,8 @@ def _attn_fwd(
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * keep_scale
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
               + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od)
@@ -180,7 +219,7 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, DK, DV,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -190,9 +229,9 @@ def _attn_bwd_dkdv(
     stride_pb, stride_pn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale,
+    H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One key block of one key/value head: dK and dV summed over its query heads and query blocks.
@@ -260,12 +299,21 @@ def _attn_bwd_dkdv(
                 bias = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0.0)
                 s_t = s_t + bias.to(tl.float32) * 1.4426950408889634
             p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            if HAS_DROPOUT:
+                # dV takes the dropped weights (scaled at the end); dS = P (Z dP / (1 - p) - delta).
+                bits_t = tl.trans(_dropout_bits(RNG, off_b * H_Q + off_h, offs_m, pid_n * BLOCK_N, BLOCK_N))
+                keep_t = bits_t.to(tl.int64) >= drop_threshold
+                dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
+                dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+            else:
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
 
     dk = dk * sm_scale
+    if HAS_DROPOUT:
+        dv = dv * keep_scale
     tl.store(DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n64[:, None] * stride_dkn
              + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dqk[None, :] < D_QK))
@@ -276,7 +324,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, DQ,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -285,9 +333,9 @@ def _attn_bwd_dq(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H_Q, GROUP, L_Q, L_K, qk_scale, sm_scale,
+    H_Q, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One query block: dQ = dS K * scale over the key blocks it sees."""
@@ -346,6 +394,9 @@ def _attn_bwd_dq(
             visible = visible & (padded == 0)[None, :]
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, v_t, input_precision=PRECISION)
+        if HAS_DROPOUT:
+            bits = _dropout_bits(RNG, pid_bh, offs_m, start_n, BLOCK_N)
+            dp = tl.where(bits.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
 
@@ -433,11 +484,13 @@ def default_config(kernel: str, arch: str, head_dim: int, element_size: int) -> 
 
 
 def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, block_dv: int,
-                           element_size: int) -> int:
+                           element_size: int, dropout: bool = False) -> int:
     """An upper estimate of a config's shared memory, to prune autotuning candidates.
 
     The streamed operand tiles are buffered `num_stages` deep; the resident tile and the
-    probabilities (or dS) routed through shared memory to the second product count once.
+    probabilities (or dS) routed through shared memory to the second product count once. Dropout
+    adds one tile of 32-bit random integers, whose four interleaved Philox outputs are laid out
+    again through shared memory.
     """
     m, n, stages = config.block_m, config.block_n, max(1, config.num_stages)
     if kernel in ("fwd", "bwd_dq"):
@@ -446,7 +499,7 @@ def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, bl
     else:
         streamed = m * (block_dqk + block_dv)
         resident = n * (block_dqk + block_dv) + 2 * m * n
-    return (stages * streamed + resident) * element_size
+    return (stages * streamed + resident) * element_size + (4 * m * n if dropout else 0)
 
 
 def _candidates(kernel: str) -> list[KernelConfig]:
@@ -496,19 +549,28 @@ def _mask_args(attn_mask, key_padding_mask, dummy):
     return mask, kind, tuple(mask_strides), padding, tuple(padding_strides)
 
 
-def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse):
+def _dropout_args(dropout, dummy):
+    """(RNG pointer, threshold, keep scale) kernel arguments; a dropout of None reads nothing."""
+    if dropout is None:
+        return dummy, 0, 1.0
+    return dropout.rng, dropout.threshold, dropout.keep_scale
+
+
+def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None):
     """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report."""
     batch, heads_q, len_q, dim_qk = query.shape
     heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
     mask, kind, mask_strides, padding, padding_strides = _mask_args(attn_mask, key_padding_mask, query)
-    args = (query, key, value, out, lse, mask, padding,
+    rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
+    args = (query, key, value, out, lse, mask, padding, rng,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
             *mask_strides, *padding_strides,
-            heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e))
+            heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e),
+            drop_threshold, keep_scale)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
                       HAS_KPM=key_padding_mask is not None, IS_CAUSAL=bool(is_causal),
-                      PRECISION=_precision(query.dtype))
+                      HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
     return args, constexprs
 
 
@@ -522,7 +584,7 @@ def preprocess_args(out, grad_out, grad_lse, delta):
 
 
 def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_causal, scale, grad_out, lse,
-                  delta, grads):
+                  delta, grads, dropout=None):
     """(positional args, constexprs) of `_attn_bwd_dkdv` (grads = (dk, dv)) or `_attn_bwd_dq` (grads = (dq,))."""
     batch, heads_q, len_q, dim_qk = query.shape
     heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
@@ -531,12 +593,14 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
               *mask_strides, *padding_strides)
     grad_strides = tuple(stride for grad in grads for stride in grad.stride())
     sizes = (heads_q, heads_kv) if kernel == "bwd_dkdv" else (heads_q,)
-    args = (query, key, value, grad_out, lse, delta, mask, padding, *grads, *common, *grad_strides,
-            *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e), float(scale))
+    rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
+    args = (query, key, value, grad_out, lse, delta, mask, padding, rng, *grads, *common, *grad_strides,
+            *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e), float(scale),
+            drop_threshold, keep_scale)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
                       HAS_KPM=key_padding_mask is not None, IS_CAUSAL=bool(is_causal),
-                      PRECISION=_precision(query.dtype))
+                      HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
     return args, constexprs
 
 
@@ -561,7 +625,7 @@ def _fitting(kernel, configs, tensor, constexprs):
     size = tensor.element_size()
     return [config for config in configs
             if shared_memory_estimate(kernel, config, constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"],
-                                      size) <= max_shared]
+                                      size, constexprs["HAS_DROPOUT"]) <= max_shared]
 
 
 # Configs forced per kernel name, bypassing defaults and autotuning (see `forced_configs`).
@@ -598,7 +662,8 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     return min(smaller, key=lambda c: (c.block_m * c.block_n, c.num_stages)) if smaller else config
 
 
-AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "IS_CAUSAL", "PRECISION")
+AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "IS_CAUSAL", "HAS_DROPOUT",
+                "PRECISION")
 
 
 @functools.lru_cache(maxsize=None)
@@ -651,27 +716,28 @@ def new_gradient(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out) -> torch.Tensor:
+def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
+            dropout=None) -> torch.Tensor:
     """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q)."""
     batch, heads_q, len_q, _ = query.shape
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
     args, constexprs = forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                    out, lse)
+                                    out, lse, dropout)
     with _on_device(query):
         _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
     return lse
 
 
 def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-             grad_lse):
+             grad_lse, dropout=None):
     """(dq, dk, dv), each laid out like its input; deterministic (no atomics, fixed summation order)."""
     with _on_device(query):
         return _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                         grad_out, grad_lse)
+                         grad_out, grad_lse, dropout)
 
 
 def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-              grad_lse):
+              grad_lse, dropout):
     batch, heads_q, len_q, dim_v = out.shape
     heads_kv, len_k = key.shape[1], key.shape[2]
     delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
@@ -681,9 +747,9 @@ def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, 
 
     grad_query, grad_key, grad_value = (new_gradient(t) for t in (query, key, value))
     args, constexprs = backward_args("bwd_dkdv", query, key, value, attn_mask, key_padding_mask, is_causal,
-                                     scale, grad_out, lse, delta, (grad_key, grad_value))
+                                     scale, grad_out, lse, delta, (grad_key, grad_value), dropout)
     _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query)
     args, constexprs = backward_args("bwd_dq", query, key, value, attn_mask, key_padding_mask, is_causal,
-                                     scale, grad_out, lse, delta, (grad_query,))
+                                     scale, grad_out, lse, delta, (grad_query,), dropout)
     _launch("bwd_dq", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
     return grad_query, grad_key, grad_value

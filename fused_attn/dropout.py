@@ -1,0 +1,148 @@
+"""Dropout of attention weights: which elements a call drops, the same on every backend.
+
+Element (b, h, i, j) of a call (batch b, query head h, query i, key j) is dropped iff
+
+    philox4x32_10(counter, key)[j % 4] < threshold(p)
+    counter = (j // 4, i, b * H_q + h, offset),   key = (seed mod 2^32, seed div 2^32)
+
+with Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011: the
+generator of cuRAND's philox, PyTorch's CUDA dropout and Triton's `tl.rand`), and kept elements are
+scaled by 1 / (1 - p). One block of Philox output serves four neighbouring keys. The decision is a
+pure function of (seed, offset, b, h, i, j): it depends on no tile size, thread count or launch
+order, so the reference, the CPU, CUDA and Triton kernels drop the same elements for the same seed
+and offset, and a backward regenerates the forward's mask instead of storing it.
+
+The comparison is on the 32-bit integer, never on a float, so no backend's rounding can flip a
+decision: threshold(p) = round(p * 2^32), at most 2^32 - 1.
+
+Each call takes a fresh (seed, offset) from torch's generator of the tensors' device, or from the
+`generator` it is given: `torch.manual_seed` reproduces a run, and each call advances the generator,
+so two calls drop different elements. CPU generators (Mersenne Twister) give a 64-bit seed drawn from
+their stream and offset 0; CUDA generators (Philox themselves) give their seed and current offset,
+which the call then advances, as PyTorch's own CUDA kernels do.
+
+This module is the Python statement of the formula; csrc/dropout.h states it for the C++ and CUDA
+kernels and the Triton kernels implement it in `triton_kernels._dropout_bits`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Philox4x32 constants: the round multipliers and the Weyl sequence that bumps the key.
+MULTIPLIER_0 = 0xD2511F53
+MULTIPLIER_1 = 0xCD9E8D57
+KEY_BUMP_0 = 0x9E3779B9
+KEY_BUMP_1 = 0xBB67AE85
+ROUNDS = 10
+MASK_32 = 0xFFFFFFFF
+# CUDA generators count their offset in units of 4 (one Philox block); a call reserves one unit.
+CUDA_OFFSET_INCREMENT = 4
+
+
+def threshold(dropout_p: float) -> int:
+    """The 32-bit integer below which an element is dropped."""
+    return min(round(dropout_p * 2.0 ** 32), MASK_32)
+
+
+def _mulhilo(a: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit halves of a * multiplier, for int64 tensors holding 32-bit values.
+
+    Computed on 16-bit halves of the multiplier, so no intermediate exceeds 2^49: int64 never
+    overflows.
+    """
+    low_part = a * (multiplier & 0xFFFF)
+    high_part = a * (multiplier >> 16)
+    high = ((low_part >> 16) + high_part) >> 16
+    low = (low_part + ((high_part & 0xFFFF) << 16)) & MASK_32
+    return high & MASK_32, low
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
+    """The four 32-bit outputs of Philox4x32-10 for counters (c0, c1, c2, c3) and key (k0, k1): int64
+    tensors (or ints, for the key) holding 32-bit values, broadcastable; int64 tensors."""
+    c0, c1, c2, c3 = torch.broadcast_tensors(c0, c1, c2, c3)
+    for round_index in range(ROUNDS):
+        if round_index:
+            k0, k1 = (k0 + KEY_BUMP_0) & MASK_32, (k1 + KEY_BUMP_1) & MASK_32
+        high_0, low_0 = _mulhilo(c0, MULTIPLIER_0)
+        high_1, low_1 = _mulhilo(c2, MULTIPLIER_1)
+        c0, c1, c2, c3 = high_1 ^ c1 ^ k0, low_1, high_0 ^ c3 ^ k1, low_0
+    return c0, c1, c2, c3
+
+
+class Dropout(NamedTuple):
+    """What a call asks of dropout: the probability and its (seed, offset), an int64 tensor (2,) on
+    the tensors' device, so that kernels read it without a host synchronisation and torch.compile
+    traces it as data."""
+
+    p: float
+    rng: torch.Tensor
+
+    @property
+    def threshold(self) -> int:
+        return threshold(self.p)
+
+    @property
+    def keep_scale(self) -> float:
+        return 1.0 / (1.0 - self.p)
+
+
+def bits(rng: torch.Tensor, batch: int, heads: int, len_q: int, len_k: int) -> torch.Tensor:
+    """The 32-bit random integer of every element (B, H_q, L_q, L_k), as int64 on rng's device."""
+    as_long = dict(dtype=torch.int64, device=rng.device)
+    seed, offset = rng[0], rng[1]
+    keys = torch.arange(len_k, **as_long)
+    queries = torch.arange(len_q, **as_long)[:, None, None]
+    batch_heads = torch.arange(batch * heads, **as_long)[:, None, None, None]
+    outputs = philox4x32_10(keys // 4, queries, batch_heads, offset & MASK_32, seed & MASK_32,
+                            (seed >> 32) & MASK_32)
+    # Output j % 4 of each block: stack the four and pick along the last axis.
+    stacked = torch.stack(outputs, dim=-1)
+    picked = stacked.gather(-1, (keys % 4).expand(stacked.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    return picked.reshape(batch, heads, len_q, len_k)
+
+
+def keep_mask(dropout: Dropout, batch: int, heads: int, len_q: int, len_k: int) -> torch.Tensor:
+    """Bool (B, H_q, L_q, L_k): True where the element is kept."""
+    return bits(dropout.rng, batch, heads, len_q, len_k) >= dropout.threshold
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
+def next_rng(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A call's (seed, offset) as an int64 tensor (2,) on `device`, taken from `generator` or the
+    default generator of `device`, which it advances (see the module's docstring)."""
+    generator = _default_generator(device) if generator is None else generator
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        generator.set_offset(offset + CUDA_OFFSET_INCREMENT)
+        seed = generator.initial_seed()
+        seed = seed - 2 ** 64 if seed >= 2 ** 63 else seed  # the same 64 bits, as an int64
+        return torch.tensor([seed, offset // CUDA_OFFSET_INCREMENT], dtype=torch.int64).to(device)
+    seed = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64)
+    return torch.cat([seed, seed.new_zeros(1)]).to(device)
+
+
+def peek_rng(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The (seed, offset) the next call with `generator` (or the default one of `device`) will use,
+    leaving the generator as it was."""
+    generator = _default_generator(device) if generator is None else generator
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        try:
+            return next_rng(device, generator)
+        finally:
+            generator.set_offset(offset)
+    state = generator.get_state()
+    try:
+        return next_rng(device, generator)
+    finally:
+        generator.set_state(state)
