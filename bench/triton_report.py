@@ -1,7 +1,8 @@
 """Static GPU report of the `triton` backend, made without a GPU.
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
-bf16; head dims 64 and 128; causal and not, and causal with dropout) for sm_80 and sm_90 with Triton's
+bf16; head dims 64 and 128; causal and not, causal with dropout, and for dK/dV causal with dropout and
+the gradient of a learned additive bias) for sm_80 and sm_90 with Triton's
 own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
 `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
 (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
@@ -39,18 +40,21 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
 # Kernels whose work is matrix products; the preprocess is a row-wise reduction without any.
 MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 PREPROCESS_CONFIG = "BLOCK_M={block_m},warps={warps},stages=1"
-# (causal, dropout) variants of the kernels with products; the preprocess depends on neither.
-VARIANTS = ((False, False), (True, False), (True, True))
+# (causal, dropout, bias_grad) variants of the kernels with products; the preprocess depends on none.
+# bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel only.
+VARIANTS = ((False, False, False), (True, False, False), (True, True, False))
 
 
-def variants(kernel: str) -> tuple[tuple[bool, bool], ...]:
-    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False),)
+def variants(kernel: str) -> tuple[tuple[bool, bool, bool], ...]:
+    if kernel == "bwd_dkdv":
+        return (*VARIANTS, (True, True, True))
+    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False),)
 
 
 def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
     """One dict per (kernel, target, dtype, head dim, causal): resources, instructions, verdict.
 
-    Keys: backend, kernel, target, dtype, head_dim, causal, dropout, config, registers, spill_bytes,
+    Keys: backend, kernel, target, dtype, head_dim, causal, dropout, bias_grad, config, registers, spill_bytes,
     stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
     """
     with tempfile.TemporaryDirectory(prefix="fused_attn_triton_cache_") as cache:
@@ -88,7 +92,7 @@ def _signature(fn, args, constexprs):
     return signature, constants, attrs
 
 
-def _representative_call(kernel, dtype_name, head_dim, causal, dropout):
+def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_grad):
     """(kernel fn, args, constexprs, config string or None, dtype) for one report row: the preprocess
     comes with its fixed config; the other kernels take their default one in `_compile_row`."""
     import torch
@@ -108,6 +112,9 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout):
     scale = head_dim ** -0.5
     # A threshold above 2^31, as dropout_p = 0.6 gives: the 64-bit integer argument.
     drop = Dropout(0.6, torch.tensor([2 ** 40 + 7, 3])) if dropout else None
+    # A learned (1, H, L, L) bias, broadcast over the batch, and its dense gradient.
+    bias = torch.empty(1, heads, length, length, dtype=dtype).expand(batch, -1, -1, -1) if bias_grad else None
+    grad_bias = torch.empty(batch, heads, length, length, dtype=dtype) if bias_grad else None
     if kernel == "fwd":
         args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse, drop)
     elif kernel == "bwd_preprocess":
@@ -116,8 +123,8 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout):
         return tk.KERNELS[kernel], args, constexprs, config, dtype
     else:
         grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
-        args, constexprs = tk.backward_args(kernel, q, k, v, None, None, causal, scale, grad_out, lse, delta,
-                                            grads, drop)
+        args, constexprs = tk.backward_args(kernel, q, k, v, bias, None, causal, scale, grad_out, lse, delta,
+                                            grads, drop, grad_bias)
     return tk.KERNELS[kernel], args, constexprs, None, dtype
 
 
@@ -160,7 +167,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool)
     return row
 
 
-def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout) -> dict:
+def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_grad) -> dict:
     """Compiles one kernel at its default config and inspects it."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -168,15 +175,16 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout) -> dict:
     from fused_attn.backends import triton_kernels as tk
 
     fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
-                                                                    dropout)
+                                                                    dropout, bias_grad)
     options = {"num_warps": tk.PREPROCESS_WARPS, "num_stages": 1}
     if config_text is None:
-        config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize)
+        config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize, constexprs)
         constexprs = dict(constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)
     row = {"backend": "triton", "kernel": kernel, "target": target, "dtype": dtype_name,
-           "head_dim": head_dim, "causal": causal, "dropout": dropout, "config": config_text}
+           "head_dim": head_dim, "causal": causal, "dropout": dropout, "bias_grad": bias_grad,
+           "config": config_text}
     signature, constants, attrs = _signature(fn, args, constexprs)
     try:
         compiled = triton.compile(ASTSource(fn, signature, constants, attrs),
@@ -202,8 +210,8 @@ def _rows(targets, dtypes, head_dims):
         for dtype_name in dtypes:
             for head_dim in head_dims:
                 for kernel in KERNELS:
-                    for causal, dropout in variants(kernel):
-                        yield _compile_row(kernel, target, dtype_name, head_dim, causal, dropout)
+                    for causal, dropout, bias_grad in variants(kernel):
+                        yield _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_grad)
 
 
 def main(argv=None) -> int:

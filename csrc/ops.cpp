@@ -6,7 +6,8 @@
 // with stride 0 where it broadcasts; key_padding_mask bool (B, L_k), true = ignore; `out`
 // (B, H_q, L_q, D_v) written in place. The forward returns the log-sum-exp (B, H_q, L_q).
 // Dropout (dropout_p > 0) drops the elements of csrc/dropout.h's stream for the call's (seed, offset),
-// dropout_rng: int64 (2,) on the tensors' device.
+// dropout_rng: int64 (2,) on the tensors' device. The backward writes the gradient of an additive
+// attn_mask, dS, into `grad_mask` when given: zeros (B, H_q, L_q, L_k) of the mask's dtype, dense.
 
 #include <Python.h>
 #include <torch/library.h>
@@ -27,6 +28,6 @@ TORCH_LIBRARY(fused_attn, m) {
   m.def(
       "flash_backward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor out, Tensor lse, "
-      "Tensor grad_out, Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor grad_out, Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, "
+      "Tensor(b!)? grad_mask=None) -> (Tensor, Tensor, Tensor)");
 }

@@ -75,17 +75,31 @@ def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causa
 def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key: Tensor,
                   value: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
                   key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, dropout_p: float,
-                  dropout_rng: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients with respect to query, key and value."""
-    return registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                          scale, out, lse, grad_out, grad_lse,
-                                          _dropout(dropout_p, dropout_rng))
+                  dropout_rng: Optional[Tensor], backend: str,
+                  mask_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients with respect to query, key, value and, with `mask_grad`, the (additive) mask as the
+    kernels see it, (B, H_q, L_q, L_k); without, an empty tensor in its place."""
+    grad_mask = _new_grad_mask(query, attn_mask, mask_grad)
+    grads = registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
+                                           scale, out, lse, grad_out, grad_lse,
+                                           _dropout(dropout_p, dropout_rng),
+                                           grad_mask if mask_grad else None)
+    return (*grads, grad_mask)
+
+
+def _new_grad_mask(query: Tensor, attn_mask: Optional[Tensor], mask_grad: bool) -> Tensor:
+    """Zeros the shape of the mask's (B, H_q, L_q, L_k) view, dense (the kernels write the visible
+    elements), or an empty placeholder when no mask gradient is asked for."""
+    if not mask_grad:
+        return query.new_empty(0)
+    return torch.zeros(attn_mask.shape, dtype=attn_mask.dtype, device=attn_mask.device)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
-                        is_causal, scale, dropout_p, dropout_rng, backend):
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+                        is_causal, scale, dropout_p, dropout_rng, backend, mask_grad=False):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+            _new_grad_mask(query, attn_mask, mask_grad))
 
 
 def _setup_context(ctx, inputs, output):
@@ -100,10 +114,12 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grad_query, grad_key, grad_value = attention_bwd(
+    mask_grad = bool(ctx.needs_input_grad[3])
+    grad_query, grad_key, grad_value, grad_mask = attention_bwd(
         grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal,
-        ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend)
-    return grad_query, grad_key, grad_value, None, None, None, None, None, None, None, None
+        ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, mask_grad)
+    return (grad_query, grad_key, grad_value, grad_mask if mask_grad else None,
+            None, None, None, None, None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -78,6 +78,7 @@ class Results:
     grad_query: torch.Tensor | None = None
     grad_key: torch.Tensor | None = None
     grad_value: torch.Tensor | None = None
+    grad_mask: torch.Tensor | None = None  # of an additive mask that requires grad, in its own shape
 
     def named(self) -> dict[str, torch.Tensor]:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
@@ -99,10 +100,11 @@ def dropout_mask(dropout_p: float, batch: int, heads: int, len_q: int, len_k: in
 
 def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask=None,
                       key_padding_mask=None, is_causal=False, scale=None, grad_lse=None,
-                      dropout: Dropout | None = None) -> Results:
+                      dropout: Dropout | None = None, mask_grad: bool = False) -> Results:
     """The einsum reference, on the CPU, in `dtype` (default the inputs'), with autograd gradients
     through the output (by `grad_out`) and, given `grad_lse`, through the log-sum-exp too; with
-    `dropout`, dropping exactly the elements a fused backend drops for the same (seed, offset).
+    `dropout`, dropping exactly the elements a fused backend drops for the same (seed, offset); with
+    `mask_grad`, also the gradient of the additive `attn_mask`, in its own (broadcast) shape.
 
     Masks are in `attention`'s convention (bool True = attend; additive of query's dtype, which is
     converted to `dtype`). H_q may be a multiple of H_kv.
@@ -117,7 +119,7 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
     mask = None
     if attn_mask is not None:
         mask = attn_mask.detach().cpu()
-        mask = mask if mask.dtype == torch.bool else mask.to(dtype)
+        mask = mask if mask.dtype == torch.bool else mask.to(dtype).requires_grad_(mask_grad and wants_grad)
     padding = None if key_padding_mask is None else key_padding_mask.cpu()
     if dropout is not None:
         dropout = Dropout(dropout.p, dropout.rng.cpu())
@@ -128,8 +130,11 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
         if grad_lse is not None:
             outputs.append(lse)
             grads_in.append(grad_lse.detach().to("cpu", lse.dtype))
-        results.grad_query, results.grad_key, results.grad_value = torch.autograd.grad(
-            outputs, (q, k, v), grads_in)
+        inputs = (q, k, v, mask) if mask_grad else (q, k, v)
+        grads = torch.autograd.grad(outputs, inputs, grads_in)
+        results.grad_query, results.grad_key, results.grad_value = grads[:3]
+        if mask_grad:
+            results.grad_mask = grads[3]
     return results
 
 
@@ -218,6 +223,7 @@ class Case:
     hidden_rows: bool = False        # some rows see no key at all
     lse_grad: bool = False           # a gradient flows into the returned log-sum-exp
     dropout_p: float = 0.0
+    mask_grad: bool = False          # the (additive) mask requires grad: a learned bias
 
     @property
     def value_dim(self) -> int:
@@ -346,10 +352,13 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
 def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
     """The einsum reference of `inputs` on the CPU in `dtype`, differentiated through the output and,
     where the case has one, through the log-sum-exp (by grad_lse)."""
+    # A learned mask's gradient is compared in the mask's own (broadcast) shape, as autograd gives it.
+    mask = inputs.attn_mask if inputs.case.mask_grad else inputs.mask_view()
     return reference_results(inputs.query, inputs.key, inputs.value, inputs.grad_out, dtype=dtype,
-                             attn_mask=inputs.mask_view(), key_padding_mask=inputs.key_padding_mask,
+                             attn_mask=mask, key_padding_mask=inputs.key_padding_mask,
                              is_causal=inputs.case.is_causal, scale=inputs.case.scale,
-                             grad_lse=inputs.grad_lse, dropout=inputs.dropout())
+                             grad_lse=inputs.grad_lse, dropout=inputs.dropout(),
+                             mask_grad=inputs.case.mask_grad)
 
 
 def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, float]]:
@@ -374,7 +383,10 @@ def run_attention(inputs: Inputs, backend: str) -> Results:
 
     case = inputs.case
     q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
-    out, lse = attention(q, k, v, attn_mask=inputs.attn_mask, is_causal=case.is_causal, scale=case.scale,
+    mask = inputs.attn_mask
+    if case.mask_grad:
+        mask = mask.detach().requires_grad_()
+    out, lse = attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
                          enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=inputs.key_padding_mask,
                          return_lse=True, backend=backend, dropout_p=case.dropout_p,
                          generator=inputs.dropout_generator())
@@ -382,5 +394,5 @@ def run_attention(inputs: Inputs, backend: str) -> Results:
     if inputs.grad_lse is not None:
         outputs.append(lse)
         grads_in.append(inputs.grad_lse)
-    grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
+    grads = torch.autograd.grad(outputs, (q, k, v, mask) if case.mask_grad else (q, k, v), grads_in)
     return Results(out.detach(), lse.detach(), *grads)

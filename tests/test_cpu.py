@@ -291,7 +291,7 @@ def test_bitwise_deterministic_across_runs_and_thread_counts(generator, small_bl
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-DROPOUT_CASES = {
+TRAINING_CASES = {
     "plain": testing.Case(dropout_p=0.3, len_q=37, len_k=70),
     "causal_additive": testing.Case(dropout_p=0.2, is_causal=True, mask="additive", mask_shape="heads_keys",
                                     len_q=33, len_k=75),
@@ -299,16 +299,23 @@ DROPOUT_CASES = {
                                          dim_qk=24, dim_v=8),
     "hidden_rows_bool": testing.Case(dropout_p=0.9, hidden_rows=True, mask="bool", mask_shape="batch",
                                      is_causal=True),
+    "bias_full": testing.Case(mask="additive", mask_grad=True, mask_layout="transposed", len_q=29, len_k=37),
+    "bias_heads_causal_dropout": testing.Case(mask="additive", mask_shape="heads_keys", mask_grad=True,
+                                              is_causal=True, dropout_p=0.2, heads_q=4, heads_kv=2),
+    "bias_2d_padding_lse_grad": testing.Case(mask="additive", mask_shape="2d", mask_grad=True,
+                                             key_padding=True, lse_grad=True, mask_layout="sliced"),
+    "bias_hidden_rows": testing.Case(mask="additive", mask_shape="batch", mask_grad=True, hidden_rows=True),
 }
 
 
 @pytest.mark.parametrize("rotation", range(len(testing.LAYOUTS)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(DROPOUT_CASES))
-def test_dropout_meets_criterion(generator, small_blocks, name, dtype, rotation):
-    """Dropout with other features, through `attention` and autograd, against the float64 reference
-    that drops the very same elements (fused_attn.dropout)."""
-    inputs = testing.random_inputs(DROPOUT_CASES[name], dtype, rotation, generator)
+@pytest.mark.parametrize("name", list(TRAINING_CASES))
+def test_dropout_and_bias_gradient_meet_criterion(generator, small_blocks, name, dtype, rotation):
+    """Dropout and a learned additive mask, with other features, through `attention` and autograd,
+    against the float64 reference that drops the very same elements (fused_attn.dropout); the mask's
+    gradient in its own broadcast shape."""
+    inputs = testing.random_inputs(TRAINING_CASES[name], dtype, rotation, generator)
     testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
 
 
@@ -316,13 +323,14 @@ def test_dropout_meets_criterion(generator, small_blocks, name, dtype, rotation)
 def test_dropout_with_key_blocks_not_multiple_of_four(generator, monkeypatch, block_k):
     monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", block_k)
     monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_Q", "16")
-    inputs = testing.random_inputs(DROPOUT_CASES["plain"], torch.float32, 1, generator)
+    inputs = testing.random_inputs(TRAINING_CASES["plain"], torch.float32, 1, generator)
     testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
 
 
+@pytest.mark.parametrize("name", ["gqa_padding_lse_grad", "bias_heads_causal_dropout"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_dropout_gradients_deterministic_across_thread_counts(generator, small_blocks, dtype):
-    inputs = testing.random_inputs(DROPOUT_CASES["gqa_padding_lse_grad"], dtype, 2, generator)
+def test_training_gradients_deterministic_across_thread_counts(generator, small_blocks, dtype, name):
+    inputs = testing.random_inputs(TRAINING_CASES[name], dtype, 2, generator)
     threads = torch.get_num_threads()
     try:
         first = testing.run_attention(inputs, "cpu")
@@ -336,11 +344,10 @@ def test_dropout_gradients_deterministic_across_thread_counts(generator, small_b
 
 def test_refusals():
     backend = registry.get("cpu")
-    q = torch.randn(1, 1, 2, 4)
-    mask = torch.zeros(1, 1, 2, 2, requires_grad=True)
-    with pytest.raises(registry.BackendError, match="attn_mask"):
-        fused_attn.attention(q, q, q, attn_mask=mask, backend="cpu")
-    assert backend.devices == ("cpu",)
+    q = torch.empty(1, 1, 2, 4, device="meta")
+    problem = fused_attn.problem.Problem.of(q, q, q, None, None, False, 0.1)
+    assert backend.refusals(problem) == ["runs on CPU tensors only, got device meta"]
+    assert backend.devices == ("cpu",) and backend.takes_dropout and backend.takes_mask_gradient
 
 
 SHARED = torch.randn(2, 4, 6, 8)

@@ -53,6 +53,9 @@ def test_opcheck_forward_and_backward(backend):
         bwd_args = (grad_out, None, query.detach(), key.detach(), value.detach(), out.detach(), lse.detach(),
                     *args[3:9], backend)
         torch.library.opcheck(ops.attention_bwd, bwd_args)
+        mask = args[3]
+        if mask is not None and mask.is_floating_point() and registry.get(backend).takes_mask_gradient:
+            torch.library.opcheck(ops.attention_bwd, (*bwd_args, True))  # with the mask's gradient
 
 
 def test_compiled_function_has_no_graph_breaks():

@@ -101,6 +101,12 @@ CASES = {
     "dropout_gqa_padding_lse_grad": Case(dropout_p=0.5, heads_q=4, heads_kv=2, key_padding=True,
                                          lse_grad=True, dim_qk=24, dim_v=8),
     "dropout_hidden_rows": Case(dropout_p=0.9, hidden_rows=True, mask="bool", mask_shape="batch"),
+    "mask_grad_full": Case(mask="additive", mask_grad=True, mask_layout="transposed", len_q=29, len_k=37),
+    "mask_grad_heads_causal_dropout": Case(mask="additive", mask_shape="heads_keys", mask_grad=True,
+                                           is_causal=True, dropout_p=0.2, heads_q=4, heads_kv=2),
+    "mask_grad_2d_padding_lse": Case(mask="additive", mask_shape="2d", mask_grad=True, key_padding=True,
+                                     lse_grad=True, mask_layout="sliced"),
+    "mask_grad_hidden_rows": Case(mask="additive", mask_shape="batch", mask_grad=True, hidden_rows=True),
 }
 
 # Each rotation gives q, k, v, out and grad_out five different layouts, and across the rotations
@@ -128,11 +134,14 @@ def run_backend(inputs: testing.Inputs, out_layout: str | None = None) -> testin
     dropout = inputs.dropout()
     lse = BACKEND.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale, out,
                           dropout)
+    grad_mask = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if case.mask_grad else None
     dq, dk, dv = BACKEND.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale,
-                                  out, lse, inputs.grad_out, inputs.grad_lse, dropout)
+                                  out, lse, inputs.grad_out, inputs.grad_lse, dropout, grad_mask)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
-    return testing.Results(out, lse, dq, dk, dv)
+    if grad_mask is not None:  # in the mask's own shape, as autograd reduces it over the broadcast
+        grad_mask = grad_mask.sum_to_size(inputs.attn_mask.shape)
+    return testing.Results(out, lse, dq, dk, dv, grad_mask)
 
 
 def _tiles(rotation: int) -> dict:
@@ -335,11 +344,18 @@ def test_dropout_drops_the_mask_the_public_helper_gives(generator):
     assert not torch.equal(testing.dropout_mask(0.4, 2, 3, 21, 21, device=DEVICE, generator=state), keep)
 
 
-def test_explicit_request_refused_for_mask_requiring_grad():
-    q, k, v = _small()
-    mask = torch.zeros(5, 5, device=DEVICE, requires_grad=True)
-    with pytest.raises(registry.BackendError, match=r"triton: attn_mask requires grad"):
-        fused_attn.attention(q, k, v, attn_mask=mask, backend="triton")
+def test_learned_bias_gradient_through_the_public_call(generator):
+    """A (L_q, L_k) bias shared by batch and heads: its gradient is dS summed over both, as autograd
+    gives it for the reference."""
+    q, k, v = (torch.randn(2, 3, 9, 16, generator=generator).to(DEVICE).requires_grad_() for _ in range(3))
+    bias = torch.randn(9, 9, generator=generator).to(DEVICE).requires_grad_()
+    out = fused_attn.attention(q, k, v, attn_mask=bias, is_causal=True, backend="triton")
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, bias))
+    expected_out = fused_attn.attention(q, k, v, attn_mask=bias, is_causal=True, backend="reference")
+    expected = torch.autograd.grad(expected_out.square().sum(), (q, k, v, bias))
+    assert grads[3].shape == bias.shape
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype, dim, reason", [
@@ -453,8 +469,8 @@ def test_autotune_candidates_pruned_to_device_shared_memory(kernel, capability, 
                                                             monkeypatch):
     monkeypatch.setattr(tk, "_device_limits", lambda index: (capability, shared))
     tuner = tk._autotuned(kernel)
-    assert tuner.keys == list(tk.AUTOTUNE_KEY)
-    assert set(tk.AUTOTUNE_KEY) <= set(tk.KERNELS[kernel].arg_names)
+    assert tuner.keys == tk.autotune_key(kernel)
+    assert set(tk.autotune_key(kernel)) <= set(tk.KERNELS[kernel].arg_names)
     constexprs = dict(BLOCK_DQK=head_dim, BLOCK_DV=head_dim, D_QK=head_dim, D_V=head_dim)
     pruned = tuner.early_config_prune(tuner.configs, {"Q": _FakeCudaTensor()}, **constexprs)
     assert pruned

@@ -1,11 +1,12 @@
 """Static GPU check of the `triton` backend, without a GPU.
 
 Every kernel is compiled at its default configs for sm_80 and sm_90 by Triton's own compiler (fp16 and
-bf16, head dims 64 and 128, causal and not, causal with dropout; see bench/triton_report.py), and its cubin is read back
+bf16, head dims 64 and 128, causal and not, causal with dropout, dK/dV also with a learned bias's
+gradient; see bench/triton_report.py), and its cubin is read back
 with cuobjdump: it compiles, nothing spills (no local loads/stores in the SASS, no stack), the matrix
 products run on tensor cores (HMMA on sm_80, HGMMA on sm_90), and shared memory fits the device
 (163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows of `python -m bench.inspect --json`,
-run once per test session (the `static_gpu_report` fixture of conftest.py; 80 Triton compilations,
+run once per test session (the `static_gpu_report` fixture of conftest.py; 88 Triton compilations,
 about 75 s on this 2-core machine, plus the CUDA report that tests/test_cuda_compile.py reads).
 """
 
@@ -26,12 +27,12 @@ except gpu_binaries.ToolMissing as missing:
     pytestmark = pytest.mark.skip(reason=str(missing))
 
 COMBINATIONS = [
-    (kernel, target, dtype, head_dim, causal, dropout)
+    (kernel, target, dtype, head_dim, causal, dropout, bias_grad)
     for kernel, target, dtype, head_dim in itertools.product(
         triton_report.KERNELS, triton_report.TARGETS, triton_report.DTYPES, triton_report.HEAD_DIMS)
-    for causal, dropout in triton_report.variants(kernel)
+    for causal, dropout, bias_grad in triton_report.variants(kernel)
 ]
-KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "dropout", "config", "registers",
+KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "dropout", "bias_grad", "config", "registers",
         "spill_bytes", "stack_bytes", "shared_bytes", "tensor_core_instructions", "fits", "problems"}
 
 
@@ -41,7 +42,8 @@ def rows(static_gpu_report):
         pytest.fail(f"bench.inspect could not compile the Triton kernels:\n{static_gpu_report.stderr[-4000:]}")
     found = {}
     for row in static_gpu_report.of("triton"):
-        found[(row["kernel"], row["target"], row["dtype"], row["head_dim"], row["causal"], row["dropout"])] = row
+        found[tuple(row[key] for key in ("kernel", "target", "dtype", "head_dim", "causal", "dropout",
+                                         "bias_grad"))] = row
     return found
 
 
@@ -52,10 +54,10 @@ def test_report_covers_every_kernel_and_config(rows):
         assert row["backend"] == "triton"
 
 
-@pytest.mark.parametrize("kernel, target, dtype, head_dim, causal, dropout", COMBINATIONS,
-                         ids=["-".join(map(str, c)) for c in COMBINATIONS])
-def test_default_config_compiles_within_the_device(rows, kernel, target, dtype, head_dim, causal, dropout):
-    row = rows[(kernel, target, dtype, head_dim, causal, dropout)]
+@pytest.mark.parametrize("combination", COMBINATIONS, ids=["-".join(map(str, c)) for c in COMBINATIONS])
+def test_default_config_compiles_within_the_device(rows, combination):
+    kernel, target = combination[:2]
+    row = rows[combination]
     assert row["problems"] == [] and row["fits"], row["problems"]
     assert row["registers"] > 0  # a real function was read from the cubin
     assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0
@@ -96,10 +98,10 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
     """The autotuner prunes candidates by `shared_memory_estimate`; it must not undercount."""
     from fused_attn.backends import triton_kernels as tk
 
-    for (kernel, target, dtype, head_dim, causal, dropout), row in rows.items():
+    for (kernel, target, dtype, head_dim, causal, dropout, bias_grad), row in rows.items():
         if kernel not in triton_report.MATMUL_KERNELS:
             continue
-        config = tk.default_config(kernel, target, head_dim, 2)
+        config = tk.default_config(kernel, target, head_dim, 2, dict(HAS_DROPOUT=dropout, HAS_MASK_GRAD=bias_grad))
         assert str(config) == row["config"]
         estimate = tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2, dropout)
-        assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout)
+        assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad)

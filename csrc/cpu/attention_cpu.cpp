@@ -231,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
-    const std::optional<at::Tensor>& dropout_rng) {
+    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask) {
   const char* op = "flash_backward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
@@ -246,6 +246,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
   if (grad_lse.has_value() && grad_lse->defined()) {
     check_tensor(op, "grad_lse", *grad_lse, 3, {p.batch, p.heads_q, p.len_q}, stat_dtype);
     p.grad_lse = view_of(*grad_lse);
+  }
+  if (grad_mask.has_value() && grad_mask->defined()) {
+    TORCH_CHECK(p.mask_kind == MaskKind::Additive, op,
+                ": grad_mask: expected only with an additive (floating) attn_mask");
+    check_tensor(op, "grad_mask", *grad_mask, 4, {p.batch, p.heads_q, p.len_q, p.len_k}, dtype);
+    TORCH_CHECK(grad_mask->is_contiguous(), op, ": grad_mask: expected a contiguous tensor");
+    fused_attn::check_output_memory(op, "grad_mask", *grad_mask,
+                                    {{"query", &query}, {"key", &key}, {"value", &value},
+                                     {"attn_mask", &*attn_mask}, {"grad_out", &grad_out}});
+    p.grad_mask = view_of(*grad_mask);
   }
   // NaN until written: an element the kernel missed shows in every test instead of stale memory
   // (one pass over O(L·D) memory, negligible next to the O(L²·D) kernel).

@@ -469,14 +469,31 @@ inline void log_in_place(T* x, int64_t n) {
 // Dropout (csrc/dropout.h): the random integers of a row's keys k0 .. k0 + n, then the row with the
 // dropped entries zeroed and, where asked, the kept ones scaled.
 
+// One Philox block per four keys, sixteen blocks (64 keys) at a time in SIMD lanes; k0 need not be a
+// multiple of 4.
 inline void dropout_row_bits(const fused_attn::DropoutParams& d, int64_t batch_head, int64_t query, int64_t k0,
                              int64_t n, uint32_t* bits) {
-  uint32_t quad_bits[4];
-  for (int64_t j = 0; j < n;) {  // one Philox block per four keys; k0 need not be a multiple of 4
-    const int64_t key = k0 + j;
-    fused_attn::dropout_bits(d, static_cast<uint32_t>(batch_head), static_cast<uint32_t>(query),
-                             static_cast<uint32_t>(key / 4), quad_bits);
-    for (int64_t lane = key % 4; lane < 4 && j < n; ++lane, ++j) bits[j] = quad_bits[lane];
+  constexpr int kBlocks = 16;
+  const int64_t first_block = k0 / 4, end_block = (k0 + n + 3) / 4;
+  for (int64_t block0 = first_block; block0 < end_block; block0 += kBlocks) {
+    alignas(64) uint32_t c0[kBlocks], c1[kBlocks], c2[kBlocks], c3[kBlocks];
+    for (int i = 0; i < kBlocks; ++i) {
+      c0[i] = static_cast<uint32_t>(block0 + i);
+      c1[i] = static_cast<uint32_t>(query);
+      c2[i] = static_cast<uint32_t>(batch_head);
+      c3[i] = d.offset;
+    }
+    fused_attn::philox4x32_10_blocks(c0, c1, c2, c3, static_cast<uint32_t>(d.seed),
+                                     static_cast<uint32_t>(d.seed >> 32));
+    alignas(64) uint32_t keys[4 * kBlocks];  // output `lane` of block i belongs to key 4 (block0 + i) + lane
+    for (int i = 0; i < kBlocks; ++i) {
+      keys[4 * i] = c0[i];
+      keys[4 * i + 1] = c1[i];
+      keys[4 * i + 2] = c2[i];
+      keys[4 * i + 3] = c3[i];
+    }
+    const int64_t from = std::max<int64_t>(4 * block0, k0), to = std::min<int64_t>(4 * (block0 + kBlocks), k0 + n);
+    std::memcpy(bits + (from - k0), keys + (from - 4 * block0), static_cast<size_t>(to - from) * sizeof(uint32_t));
   }
 }
 
@@ -741,6 +758,7 @@ void backward_impl(const Params& p) {
   auto* dQ = static_cast<scalar_t*>(p.grad_query.data);
   auto* dK = static_cast<scalar_t*>(p.grad_key.data);
   auto* dV = static_cast<scalar_t*>(p.grad_value.data);
+  auto* dMask = static_cast<scalar_t*>(p.grad_mask.data);
 
   at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(scratch_bytes);
@@ -823,6 +841,10 @@ void backward_impl(const Params& p) {
                 drop_and_scale_row(dprow, bits, visible, p.dropout.threshold, keep_scale);
               }
               grad_scores(srow, dprow, visible, d);  // dprow now holds dS
+              if (dMask != nullptr) {  // an additive mask's gradient is dS; hidden keys keep their 0
+                at::vec::convert(dprow, dMask + b * p.grad_mask.s[0] + h * p.grad_mask.s[1] +
+                                            qi * p.grad_mask.s[2] + k0 * p.grad_mask.s[3], visible);
+              }
               if (p.dropout.enabled) drop_row(srow, bits, visible, p.dropout.threshold);
               std::fill(srow + visible, srow + bk, acc_t(0));
               std::fill(dprow + visible, dprow + bk, acc_t(0));

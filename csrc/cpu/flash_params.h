@@ -38,6 +38,7 @@ struct Params {
   View delta;              // (B, H_q, L_q) accumulation type: rowsum(dO * O) - grad_lse, filled by the kernel
   View grad_lse;           // (B, H_q, L_q) lse dtype, data null when absent
   View grad_query, grad_key, grad_value;
+  View grad_mask;          // (B, H_q, L_q, L_k) of the query's dtype, data null when not asked for
   // Tiling and the product used for the two matrix products of each block.
   int64_t block_q = 64, block_k = 64;
   bool use_brgemm = true;  // oneDNN micro-kernels through at::native::cpublas::brgemm, where usable

@@ -61,10 +61,15 @@ class Backend:
         raise NotImplementedError
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal: bool, scale: float,
-                 out, lse, grad_out, grad_lse, dropout: Dropout | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 out, lse, grad_out, grad_lse, dropout: Dropout | None = None,
+                 grad_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (grad_query, grad_key, grad_value), each laid out as `torch.empty_like` of its input
         (the fake kernel promises that layout to torch.compile).
+
+        `grad_mask` (only for backends that declare `takes_mask_gradient`) is None, or a zero-filled
+        (B, H_q, L_q, L_k) tensor of the additive mask's dtype: the backend writes into it dS, the
+        gradient of the scaled scores, which is the gradient of the mask added to them, wherever a key
+        is visible (elsewhere it stays 0). Autograd sums it over the mask's broadcast dimensions.
 
         `grad_lse` is None or the gradient flowing into the returned log-sum-exp; since
         d lse_i / d s_ij = p_ij, it enters as `rowsum(dO * O) - grad_lse` in place of `rowsum(dO * O)`.

@@ -17,3 +17,4 @@ class CpuBackend(ExtensionBackend):
     name = "cpu"
     devices = ("cpu",)
     takes_dropout = True
+    takes_mask_gradient = True

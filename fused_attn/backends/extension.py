@@ -25,7 +25,7 @@ class ExtensionBackend(Backend):
                                                   is_causal, scale, out, *_dropout_args(dropout))
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse, dropout=None):
+                 grad_out, grad_lse, dropout=None, grad_mask=None):
         return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
                                                    is_causal, scale, out, lse, grad_out, grad_lse,
-                                                   *_dropout_args(dropout))
+                                                   *_dropout_args(dropout), grad_mask)

@@ -111,7 +111,7 @@ class ReferenceBackend(Backend):
         return lse
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse, dropout=None):
+                 grad_out, grad_lse, dropout=None, grad_mask=None):
         heads_kv = key.shape[1]
         probs = probabilities(masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale))
         grad_value = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", dropped(probs, dropout), grad_out),
@@ -122,7 +122,10 @@ class ReferenceBackend(Backend):
         delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(dim=-1, keepdim=True)
         if grad_lse is not None:
             delta = delta - grad_lse.unsqueeze(-1)
-        grad_scores = probs * (grad_probs - delta.to(probs.dtype)) * scale
+        grad_scores = probs * (grad_probs - delta.to(probs.dtype))
+        if grad_mask is not None:  # the mask is added to the scaled scores: its gradient is dS itself
+            grad_mask.copy_(grad_scores)
+        grad_scores = grad_scores * scale
         grad_query = weighted_values(grad_scores, key)
         grad_key = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", grad_scores, query), heads_kv)
         return tuple(torch.empty_like(like).copy_(grad) for grad, like in

@@ -38,6 +38,7 @@ class TritonBackend(Backend):
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     max_head_dim = 256
     takes_dropout = True
+    takes_mask_gradient = True
 
     def unavailable(self) -> str | None:
         if (reason := triton_compat.unsupported()) is not None:
@@ -76,8 +77,8 @@ class TritonBackend(Backend):
                                   dropout)
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse, dropout=None):
+                 grad_out, grad_lse, dropout=None, grad_mask=None):
         if out.numel() == 0 or key.shape[2] == 0:
             return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         return _kernels().backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                   out, lse, grad_out, grad_lse, dropout)
+                                   out, lse, grad_out, grad_lse, dropout, grad_mask)

@@ -219,7 +219,7 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, DK, DV,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, DK, DV, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -229,12 +229,14 @@ def _attn_bwd_dkdv(
     stride_pb, stride_pn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dmb, stride_dmh, stride_dmm, stride_dmn,
     H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One key block of one key/value head: dK and dV summed over its query heads and query blocks.
+    """One key block of one key/value head: dK and dV summed over its query heads and query blocks,
+    and, with HAS_MASK_GRAD, dS of each of its (query, key) elements, the additive mask's gradient.
 
     Works on transposed tiles (keys along rows) so that both accumulators are row-major in keys.
     """
@@ -309,6 +311,10 @@ def _attn_bwd_dkdv(
             else:
                 dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
+            if HAS_MASK_GRAD:  # each element once: this program owns these keys of this head
+                tl.store(DMASK + off_b * stride_dmb + off_h * stride_dmh + offs_m64[None, :] * stride_dmm
+                         + offs_n64[:, None] * stride_dmn, ds_t.to(DMASK.dtype.element_ty),
+                         mask=row_ok[None, :] & col_ok[:, None])
             dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
 
     dk = dk * sm_scale
@@ -477,10 +483,33 @@ def arch_of(capability: tuple[int, int]) -> str:
     return "sm_90" if capability[0] >= 9 else "sm_80"
 
 
-def default_config(kernel: str, arch: str, head_dim: int, element_size: int) -> KernelConfig:
-    """The default of `kernel` on `arch` ("sm_80" or "sm_90") for a padded head dim."""
+# fp16/bf16 tiles for launches with dropout (and dK/dV writing a learned bias's gradient) where the
+# default spills registers on some supported Triton release: the random bits stay live beside the
+# scores. Each chosen by compiling candidates for its target on Triton 3.5 to 3.9
+# (bench/triton_report.py): no spills, tensor-core instructions kept (HGMMA on sm_90). Keyed
+# (kernel, arch, head dim of the table, bias gradient).
+_DROPOUT_DEFAULTS = {
+    ("fwd", "sm_90", 64, False): _K(128, 32, 4, 3),
+    ("bwd_dkdv", "sm_80", 64, False): _K(16, 128, 8, 2),
+    ("bwd_dkdv", "sm_80", 64, True): _K(16, 64, 8, 2),
+    ("bwd_dkdv", "sm_80", 128, True): _K(32, 32, 8, 2),
+    ("bwd_dkdv", "sm_90", 64, True): _K(16, 64, 4, 2),
+    ("bwd_dkdv", "sm_90", 128, False): _K(16, 64, 8, 2),
+    ("bwd_dkdv", "sm_90", 128, True): _K(16, 64, 8, 2),
+}
+
+
+def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
+                   constexprs: dict | None = None) -> KernelConfig:
+    """The default of `kernel` on `arch` ("sm_80" or "sm_90") for a padded head dim and, where given,
+    the features of the launch (its constexprs: dropout and a bias gradient have tiles of their own)."""
     table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
-    return table[min(dim for dim in table if dim >= head_dim)]
+    dim = min(dim for dim in table if dim >= head_dim)
+    if constexprs and constexprs.get("HAS_DROPOUT") and element_size == 2:
+        key = (kernel, arch, dim, bool(constexprs.get("HAS_MASK_GRAD")))
+        if key in _DROPOUT_DEFAULTS:
+            return _DROPOUT_DEFAULTS[key]
+    return table[dim]
 
 
 def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, block_dv: int,
@@ -584,8 +613,9 @@ def preprocess_args(out, grad_out, grad_lse, delta):
 
 
 def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_causal, scale, grad_out, lse,
-                  delta, grads, dropout=None):
-    """(positional args, constexprs) of `_attn_bwd_dkdv` (grads = (dk, dv)) or `_attn_bwd_dq` (grads = (dq,))."""
+                  delta, grads, dropout=None, grad_mask=None):
+    """(positional args, constexprs) of `_attn_bwd_dkdv` (grads = (dk, dv), and the mask's gradient
+    where asked for) or `_attn_bwd_dq` (grads = (dq,))."""
     batch, heads_q, len_q, dim_qk = query.shape
     heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
     mask, kind, mask_strides, padding, padding_strides = _mask_args(attn_mask, key_padding_mask, query)
@@ -593,6 +623,11 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
               *mask_strides, *padding_strides)
     grad_strides = tuple(stride for grad in grads for stride in grad.stride())
     sizes = (heads_q, heads_kv) if kernel == "bwd_dkdv" else (heads_q,)
+    extra = {}
+    if kernel == "bwd_dkdv":  # it also writes the mask's gradient, where asked for (HAS_MASK_GRAD)
+        grads = (*grads, lse if grad_mask is None else grad_mask)
+        grad_strides += (0, 0, 0, 0) if grad_mask is None else tuple(grad_mask.stride())
+        extra = dict(HAS_MASK_GRAD=grad_mask is not None)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
     args = (query, key, value, grad_out, lse, delta, mask, padding, rng, *grads, *common, *grad_strides,
             *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e), float(scale),
@@ -600,7 +635,7 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
                       HAS_KPM=key_padding_mask is not None, IS_CAUSAL=bool(is_causal),
-                      HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
+                      HAS_DROPOUT=dropout is not None, **extra, PRECISION=_precision(query.dtype))
     return args, constexprs
 
 
@@ -625,7 +660,7 @@ def _fitting(kernel, configs, tensor, constexprs):
     size = tensor.element_size()
     return [config for config in configs
             if shared_memory_estimate(kernel, config, constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"],
-                                      size, constexprs["HAS_DROPOUT"]) <= max_shared]
+                                      size, constexprs.get("HAS_DROPOUT", False)) <= max_shared]
 
 
 # Configs forced per kernel name, bypassing defaults and autotuning (see `forced_configs`).
@@ -653,9 +688,9 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
         return _forced[kernel]
     head_dim = max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"])
     if tensor.device.type != "cuda":
-        return default_config(kernel, "sm_80", head_dim, tensor.element_size())
+        return default_config(kernel, "sm_80", head_dim, tensor.element_size(), constexprs)
     capability, _ = _device_limits(_device_index(tensor))
-    config = default_config(kernel, arch_of(capability), head_dim, tensor.element_size())
+    config = default_config(kernel, arch_of(capability), head_dim, tensor.element_size(), constexprs)
     if _fitting(kernel, [config], tensor, constexprs):
         return config
     smaller = _fitting(kernel, _candidates(kernel), tensor, constexprs)
@@ -664,6 +699,11 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
 
 AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "IS_CAUSAL", "HAS_DROPOUT",
                 "PRECISION")
+
+
+def autotune_key(kernel: str) -> list[str]:
+    """AUTOTUNE_KEY, and the dK/dV kernel's own feature, the bias gradient."""
+    return list(AUTOTUNE_KEY) + (["HAS_MASK_GRAD"] if kernel == "bwd_dkdv" else [])
 
 
 @functools.lru_cache(maxsize=None)
@@ -684,8 +724,7 @@ def _autotuned(kernel: str):
 
     # The autotuner adds the tensors' dtypes; the constexprs must be named, or a config tuned for
     # one head dim would be reused for another.
-    key = list(AUTOTUNE_KEY)
-    return triton.autotune(configs=[c.triton_config() for c in candidates], key=key,
+    return triton.autotune(configs=[c.triton_config() for c in candidates], key=autotune_key(kernel),
                            prune_configs_by={"early_config_prune": prune})(KERNELS[kernel])
 
 
@@ -729,15 +768,16 @@ def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, ou
 
 
 def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-             grad_lse, dropout=None):
-    """(dq, dk, dv), each laid out like its input; deterministic (no atomics, fixed summation order)."""
+             grad_lse, dropout=None, grad_mask=None):
+    """(dq, dk, dv), each laid out like its input, and dS written into `grad_mask` where given;
+    deterministic (no atomics, fixed summation order)."""
     with _on_device(query):
         return _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                         grad_out, grad_lse, dropout)
+                         grad_out, grad_lse, dropout, grad_mask)
 
 
 def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-              grad_lse, dropout):
+              grad_lse, dropout, grad_mask):
     batch, heads_q, len_q, dim_v = out.shape
     heads_kv, len_k = key.shape[1], key.shape[2]
     delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
@@ -747,7 +787,7 @@ def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, 
 
     grad_query, grad_key, grad_value = (new_gradient(t) for t in (query, key, value))
     args, constexprs = backward_args("bwd_dkdv", query, key, value, attn_mask, key_padding_mask, is_causal,
-                                     scale, grad_out, lse, delta, (grad_key, grad_value), dropout)
+                                     scale, grad_out, lse, delta, (grad_key, grad_value), dropout, grad_mask)
     _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query)
     args, constexprs = backward_args("bwd_dq", query, key, value, attn_mask, key_padding_mask, is_causal,
                                      scale, grad_out, lse, delta, (grad_query,), dropout)
