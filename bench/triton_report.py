@@ -52,7 +52,8 @@ def variants(kernel: str) -> tuple[tuple[bool, bool, bool], ...]:
 
 
 def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
-    """One dict per (kernel, target, dtype, head dim, causal): resources, instructions, verdict.
+    """One dict per (kernel, target, dtype, head dim, causal, dropout, bias_grad): resources,
+    instructions, verdict.
 
     Keys: backend, kernel, target, dtype, head_dim, causal, dropout, bias_grad, config, registers, spill_bytes,
     stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.

@@ -6,9 +6,10 @@
 // nothing but the element's indices and the call's (seed, offset), so any tiling or thread order
 // drops the same elements, and the backward regenerates the forward's mask.
 //
-// Free of torch headers: the CUDA kernels include it as they are, the CPU kernels per instruction set.
-// The functions are static, so each instruction-set copy of the CPU kernels keeps its own (an inline
-// function shared between them would be linked once, from whichever copy came first).
+// Free of torch headers and host/device-neutral, so the CUDA kernels can include it as it is when they
+// take dropout (they do not yet); the CPU kernels include it once per instruction set. The functions
+// are static, so each instruction-set copy keeps its own (an inline function shared between them would
+// be linked once, from whichever copy came first).
 #pragma once
 
 #include <cstdint>
@@ -46,17 +47,9 @@ FUSED_ATTN_HOST_DEVICE static inline void philox_round(uint32_t& c0, uint32_t& c
   c2 = next2;
 }
 
-// Philox4x32-10: the four 32-bit outputs for counter c and key (k0, k1).
-FUSED_ATTN_HOST_DEVICE static inline void philox4x32_10(uint32_t c[4], uint32_t k0, uint32_t k1) {
-  for (int round = 0; round < kPhiloxRounds; ++round) {
-    philox_round(c[0], c[1], c[2], c[3], k0, k1);
-    k0 += kPhiloxKeyBump0;
-    k1 += kPhiloxKeyBump1;
-  }
-}
-
-// N Philox4x32-10 blocks at once, in structure-of-arrays form: the same rounds, written so that a
-// vectorising compiler runs the N blocks in SIMD lanes (the CPU kernels; one block per thread on GPUs).
+// N Philox4x32-10 blocks at once (the four outputs of block i end in c0[i] .. c3[i]), in
+// structure-of-arrays form, written for a vectorising compiler; GCC 12 leaves it scalar for now
+// (bench/NOTES.md, section 10).
 template <int N>
 static inline void philox4x32_10_blocks(uint32_t (&c0)[N], uint32_t (&c1)[N], uint32_t (&c2)[N],
                                         uint32_t (&c3)[N], uint32_t k0, uint32_t k1) {
@@ -65,21 +58,6 @@ static inline void philox4x32_10_blocks(uint32_t (&c0)[N], uint32_t (&c1)[N], ui
     k0 += kPhiloxKeyBump0;
     k1 += kPhiloxKeyBump1;
   }
-}
-
-// The random integers of keys 4 * quad .. 4 * quad + 3 of query row `query` in head `batch_head`
-// (= b * H_q + h), written to bits[0..4).
-FUSED_ATTN_HOST_DEVICE static inline void dropout_bits(const DropoutParams& d, uint32_t batch_head, uint32_t query,
-                                                uint32_t quad, uint32_t bits[4]) {
-  bits[0] = quad;
-  bits[1] = query;
-  bits[2] = batch_head;
-  bits[3] = d.offset;
-  philox4x32_10(bits, static_cast<uint32_t>(d.seed), static_cast<uint32_t>(d.seed >> 32));
-}
-
-FUSED_ATTN_HOST_DEVICE static inline bool dropout_keeps(const DropoutParams& d, uint32_t bits) {
-  return bits >= d.threshold;
 }
 
 }  // namespace fused_attn

@@ -15,18 +15,19 @@ and offset, and a backward regenerates the forward's mask instead of storing it.
 The comparison is on the 32-bit integer, never on a float, so no backend's rounding can flip a
 decision: threshold(p) = round(p * 2^32), at most 2^32 - 1.
 
-Each call takes a fresh (seed, offset) from torch's generator of the tensors' device, or from the
+Each call draws a fresh 62-bit seed, with offset 0, from torch's generator of the tensors' device
+(a `torch.randint` on that device: no host synchronisation, traceable by torch.compile), or from the
 `generator` it is given: `torch.manual_seed` reproduces a run, and each call advances the generator,
-so two calls drop different elements. CPU generators (Mersenne Twister) give a 64-bit seed drawn from
-their stream and offset 0; CUDA generators (Philox themselves) give their seed and current offset,
-which the call then advances, as PyTorch's own CUDA kernels do.
+so two calls drop different elements.
 
-This module is the Python statement of the formula; csrc/dropout.h states it for the C++ and CUDA
-kernels and the Triton kernels implement it in `triton_kernels._dropout_bits`.
+This module is the Python statement of the formula; csrc/dropout.h states it for the C++ kernels
+(the CPU ones; the CUDA kernels take no dropout yet) and the Triton kernels implement it in
+`triton_kernels._dropout_bits`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -38,13 +39,12 @@ KEY_BUMP_0 = 0x9E3779B9
 KEY_BUMP_1 = 0xBB67AE85
 ROUNDS = 10
 MASK_32 = 0xFFFFFFFF
-# CUDA generators count their offset in units of 4 (one Philox block); a call reserves one unit.
-CUDA_OFFSET_INCREMENT = 4
 
 
 def threshold(dropout_p: float) -> int:
-    """The 32-bit integer below which an element is dropped."""
-    return min(round(dropout_p * 2.0 ** 32), MASK_32)
+    """The 32-bit integer below which an element is dropped: p·2³² rounded half away from zero, as
+    the C++ kernels' std::llround does."""
+    return min(math.floor(dropout_p * 2.0 ** 32 + 0.5), MASK_32)
 
 
 def _mulhilo(a: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +71,16 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
         high_1, low_1 = _mulhilo(c2, MULTIPLIER_1)
         c0, c1, c2, c3 = high_1 ^ c1 ^ k0, low_1, high_0 ^ c3 ^ k1, low_0
     return c0, c1, c2, c3
+
+
+def check_rng(rng, device: torch.device) -> None:
+    """A ValueError naming `dropout_rng` unless it is a call's (seed, offset): int64 (2,) on `device`."""
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.int64 or tuple(rng.shape) != (2,) \
+            or rng.device != device:
+        described = (f"{tuple(rng.shape)} {rng.dtype} on {rng.device}" if isinstance(rng, torch.Tensor)
+                     else type(rng).__name__)
+        raise ValueError(f"dropout_rng: expected an int64 tensor (2,) of (seed, offset) on {device}, "
+                         f"got {described}")
 
 
 class Dropout(NamedTuple):
@@ -118,31 +128,21 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 def next_rng(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """A call's (seed, offset) as an int64 tensor (2,) on `device`, taken from `generator` or the
-    default generator of `device`, which it advances (see the module's docstring)."""
-    generator = _default_generator(device) if generator is None else generator
-    if generator.device.type == "cuda":
-        offset = generator.get_offset()
-        generator.set_offset(offset + CUDA_OFFSET_INCREMENT)
-        seed = generator.initial_seed()
-        seed = seed - 2 ** 64 if seed >= 2 ** 63 else seed  # the same 64 bits, as an int64
-        return torch.tensor([seed, offset // CUDA_OFFSET_INCREMENT], dtype=torch.int64).to(device)
-    seed = torch.randint(0, 2 ** 62, (1,), generator=generator, dtype=torch.int64)
-    return torch.cat([seed, seed.new_zeros(1)]).to(device)
+    """A call's (seed, offset) as an int64 tensor (2,) on `device`: a seed drawn from `generator` or
+    the default generator of `device` (advancing it), offset 0."""
+    options = dict(dtype=torch.int64, device=device)
+    # Without a generator argument, so that torch.compile traces the draw as any random op.
+    draw = {} if generator is None else {"generator": generator}
+    seed = torch.randint(0, 2 ** 62, (1,), **draw, **options)
+    return torch.cat([seed, torch.zeros(1, **options)])
 
 
 def peek_rng(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
     """The (seed, offset) the next call with `generator` (or the default one of `device`) will use,
     leaving the generator as it was."""
-    generator = _default_generator(device) if generator is None else generator
-    if generator.device.type == "cuda":
-        offset = generator.get_offset()
-        try:
-            return next_rng(device, generator)
-        finally:
-            generator.set_offset(offset)
-    state = generator.get_state()
+    chosen = _default_generator(device) if generator is None else generator
+    state = chosen.get_state()
     try:
-        return next_rng(device, generator)
+        return next_rng(device, chosen)
     finally:
-        generator.set_state(state)
+        chosen.set_state(state)

@@ -14,19 +14,25 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .backends import registry
-from .dropout import Dropout
+from .dropout import Dropout, check_rng
 from .problem import lse_dtype, output_like
 
 
-def _dropout(dropout_p: float, dropout_rng: Optional[Tensor]) -> Optional[Dropout]:
-    return Dropout(dropout_p, dropout_rng) if dropout_p > 0.0 else None
+def _dropout(dropout_p: float, dropout_rng: Optional[Tensor], query: Tensor) -> Optional[Dropout]:
+    """The op's dropout arguments as one value; the kernels read the rng tensor, so it is checked."""
+    if dropout_p == 0.0:
+        return None
+    if not 0.0 < dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a number in [0, 1), got {dropout_p!r}")
+    check_rng(dropout_rng, query.device)
+    return Dropout(dropout_p, dropout_rng)
 
 
 def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
              seq_first, backend):
     out = output_like(query, value.shape[-1], seq_first)
     lse = registry.get(backend).forward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                        scale, out, _dropout(dropout_p, dropout_rng))
+                                        scale, out, _dropout(dropout_p, dropout_rng, query))
     return out, lse
 
 
@@ -82,7 +88,7 @@ def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, k
     grad_mask = _new_grad_mask(query, attn_mask, mask_grad)
     grads = registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
                                            scale, out, lse, grad_out, grad_lse,
-                                           _dropout(dropout_p, dropout_rng),
+                                           _dropout(dropout_p, dropout_rng, query),
                                            grad_mask if mask_grad else None)
     return (*grads, grad_mask)
 

@@ -133,3 +133,47 @@ def test_generator_argument_is_checked(bad, error, message):
     q = torch.randn(1, 1, 2, 4)
     with pytest.raises(error, match=message):
         fused_attn.attention(q, q, q, dropout_p=0.1, generator=bad)
+
+
+@pytest.mark.usefixtures("interpreter_remedies")
+@pytest.mark.parametrize("backend", dropout_backends())
+def test_kernels_take_seeds_with_the_top_bit_set(backend, generator):
+    """A seed of 2^63 or more (as a CUDA generator's can be) travels as a negative int64: the kernels
+    split it into the same two 32-bit key words as the formula."""
+    q, k, v = (torch.randn(1, 2, 13, 8, generator=generator) for _ in range(3))
+    drop = dropout.Dropout(0.4, torch.tensor([-0x0123_4567_89AB_CDEF, 5]))
+    out = torch.empty_like(q)
+    registry.get(backend).forward(q, k, v, None, None, False, 8 ** -0.5, out, drop)
+    keep = dropout.keep_mask(drop, 1, 2, 13, 13)
+    expected = (torch.softmax(q @ k.transpose(-1, -2) * 8 ** -0.5, dim=-1) * keep / 0.6) @ v
+    torch.testing.assert_close(out, expected, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("rng, message", [
+    (None, "got NoneType"),
+    (torch.tensor([1, 2, 3]), r"got \(3,\) torch.int64"),
+    (torch.tensor([1.0, 2.0]), "torch.float32"),
+])
+def test_op_checks_the_dropout_rng(rng, message):
+    from fused_attn import ops
+
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=rf"dropout_rng: expected an int64 tensor \(2,\).*{message}"):
+        ops.attention_fwd(q, q, q, None, None, False, 0.3, 0.2, rng, False, "reference")
+
+
+def test_compiled_call_with_dropout_matches_eager():
+    """The seed is drawn by a traced torch.randint: fullgraph compile, the same elements as eager
+    for the same torch.manual_seed, and a backward."""
+    def layer(q):
+        return fused_attn.attention(q, q, q, dropout_p=0.3, is_causal=True)
+
+    q = torch.randn(1, 2, 9, 16, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(4)
+    got = compiled(q)
+    torch.manual_seed(4)
+    expected = layer(q)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.isfinite(torch.autograd.grad(got.sum(), q)[0]).all()
+

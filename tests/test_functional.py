@@ -89,7 +89,7 @@ def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_gradients(gen
     assert (grad_q[:, :, 1] == 0).all() and torch.isfinite(grad_q).all()
 
 
-def test_mask_requiring_grad_and_dropout_use_the_differentiable_reference(generator):
+def test_mask_gradient_matches_sdpa_and_dropout_reproduces(generator):
     q, k, v = (randn(generator, 1, 2, 4, 8, dtype=torch.float64).requires_grad_() for _ in range(3))
     bias = randn(generator, 1, 2, 4, 4, dtype=torch.float64).requires_grad_()
     ours = torch.autograd.grad(fused_attn.attention(q, k, v, attn_mask=bias).sum(), bias)[0]

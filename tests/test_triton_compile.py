@@ -7,7 +7,7 @@ with cuobjdump: it compiles, nothing spills (no local loads/stores in the SASS, 
 products run on tensor cores (HMMA on sm_80, HGMMA on sm_90), and shared memory fits the device
 (163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows of `python -m bench.inspect --json`,
 run once per test session (the `static_gpu_report` fixture of conftest.py; 88 Triton compilations,
-about 75 s on this 2-core machine, plus the CUDA report that tests/test_cuda_compile.py reads).
+about 100 s on this 2-core machine, plus the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations

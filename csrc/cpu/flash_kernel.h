@@ -469,8 +469,7 @@ inline void log_in_place(T* x, int64_t n) {
 // Dropout (csrc/dropout.h): the random integers of a row's keys k0 .. k0 + n, then the row with the
 // dropped entries zeroed and, where asked, the kept ones scaled.
 
-// One Philox block per four keys, sixteen blocks (64 keys) at a time in SIMD lanes; k0 need not be a
-// multiple of 4.
+// One Philox block per four keys, sixteen blocks (64 keys) at a time; k0 need not be a multiple of 4.
 inline void dropout_row_bits(const fused_attn::DropoutParams& d, int64_t batch_head, int64_t query, int64_t k0,
                              int64_t n, uint32_t* bits) {
   constexpr int kBlocks = 16;

@@ -5,10 +5,13 @@ FlashAttention-2 in structure:
     forward    one program per (query block, batch, query head); online softmax in fp32 over key
                blocks, in base 2 with the scale folded into one multiplier; causal blocks beyond the
                diagonal are not visited. Writes the output and the natural log-sum-exp (fp32).
+               Dropout zeroes the elements of fused_attn.dropout's stream (`_dropout_bits`) after the
+               row sums, and the output is scaled by 1 / (1 - p).
     backward   deterministic, no atomics:
                preprocess  delta = rowsum(dO * O) - grad_lse, one program per query block;
                dK/dV       one program per (key block, batch, key/value head), looping over the query
                            heads of its GQA group in a fixed order and, for each, over query blocks;
+                           it also writes dS, a learned additive mask's gradient, where asked;
                dQ          one program per query block, looping over key blocks.
 
 Every tensor is read and written through its own strides: the slices of a packed projection, permuted
