@@ -10,7 +10,10 @@ translation unit (run on the CPU, it makes no CUDA call); `cuobjdump --dump-sass
 one in the Triton wheel) counts the tensor-core instructions (HMMA; HGMMA would be warpgroup MMA on
 sm_90, which WMMA does not use).
 
-Causal masking is a runtime argument of these kernels, so `causal` is None in every row.
+Causal masking, dropout and the mask gradient are runtime arguments of these kernels, so every
+instance carries their code and `causal` is None in every row; `philox_rounds` counts the multiplies
+by Philox's first constant in the SASS (ten per Philox4x32-10 block), which shows the dropout stream
+is compiled into the forward and both backward tile kernels.
 
     python -m bench.cuda_report            # table
     python -m bench.cuda_report --json     # one JSON object per (kernel instance, target)
@@ -38,8 +41,12 @@ MAX_REGISTERS = 255  # per thread; __launch_bounds__(128, 1) lets ptxas use all 
 TENSOR_CORE_PREFIXES = ("HMMA", "HGMMA")
 DTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32"}
 MANGLED_DTYPES = {"6__half": "__half", "13__nv_bfloat16": "__nv_bfloat16", "f": "float"}
-# Kernels made of tile products: on tensor cores for fp16/bf16, on CUDA cores for fp32.
+# Kernels made of tile products: on tensor cores for fp16/bf16, on CUDA cores for fp32. They also
+# regenerate dropout's stream.
 MATMUL_KERNELS = ("forward", "backward_dkdv", "backward_dq")
+# One round of Philox4x32 multiplies by 0xD2511F53, which SASS prints as the signed immediate.
+PHILOX_MULTIPLY = re.compile(r"IMAD\.WIDE\.U32\b.*(?:0xd2511f53|-0x2daee0ad)\s*,", re.IGNORECASE)
+PHILOX_ROUNDS = 10
 
 # The generated translation unit: explicit instantiations of every shipped kernel, and a host
 # main() printing each instance's configuration as JSON lines.
@@ -144,16 +151,20 @@ def parse_ptxas(log: str) -> dict:
 
 
 def parse_sass(sass: str) -> dict:
-    """{mangled name: {tensor-core mnemonic: count}} from cuobjdump --dump-sass."""
+    """{mangled name: {tensor-core mnemonic: count, "philox_rounds": count}} from cuobjdump --dump-sass."""
     counts, current = {}, None
     for line in sass.splitlines():
         match = re.match(r"\s*Function : (\S+)", line)
         if match:
-            current = counts.setdefault(match.group(1), {})
+            current = counts.setdefault(match.group(1), {"philox_rounds": 0})
+            continue
+        if current is None:
             continue
         match = SASS_INSTRUCTION.match(line)
-        if match and current is not None and match.group(1).startswith(TENSOR_CORE_PREFIXES):
+        if match and match.group(1).startswith(TENSOR_CORE_PREFIXES):
             current[match.group(1)] = current.get(match.group(1), 0) + 1
+        if PHILOX_MULTIPLY.search(line):
+            current["philox_rounds"] += 1
     return counts
 
 
@@ -164,8 +175,9 @@ def _run(command, cwd, timeout):
     return done
 
 
-def _row(target, identity, config, resources, tensor_cores) -> dict:
+def _row(target, identity, config, resources, instructions) -> dict:
     kernel, dtype, head_dim = identity
+    tensor_cores = {name: count for name, count in instructions.items() if name != "philox_rounds"}
     dynamic = config["dynamic_shared_bytes"]
     row = {
         "backend": "cuda",
@@ -181,6 +193,7 @@ def _row(target, identity, config, resources, tensor_cores) -> dict:
         "stack_bytes": resources["stack_bytes"],
         "shared_bytes": resources["static_shared_bytes"] + dynamic,
         "tensor_core_instructions": tensor_cores,
+        "philox_rounds": instructions.get("philox_rounds", 0),
     }
     problems = resource_problems(target, row["spill_bytes"], row["stack_bytes"], row["shared_bytes"])
     if row["registers"] > MAX_REGISTERS:
@@ -190,6 +203,8 @@ def _row(target, identity, config, resources, tensor_cores) -> dict:
         problems.append("no tensor-core instruction in an fp16/bf16 tile-product kernel")
     if (kernel not in MATMUL_KERNELS or dtype == "float") and uses_tensor_cores:
         problems.append("tensor-core instructions where CUDA cores were meant (fp32 or no products)")
+    if kernel in MATMUL_KERNELS and row["philox_rounds"] < PHILOX_ROUNDS:
+        problems.append(f"{row['philox_rounds']} Philox rounds: the dropout stream is not compiled in")
     row["fits"] = not problems
     row["problems"] = problems
     return row
@@ -199,7 +214,8 @@ def report(targets=TARGETS, timeout=1800, workdir: str | None = None) -> list[di
     """One dict per (kernel instance, target): resources, instructions, verdict.
 
     Keys: backend, kernel, target, dtype, head_dim, causal, config, registers, spill_bytes,
-    stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
+    stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), philox_rounds, fits,
+    problems.
     Raises ToolMissing when nvcc (or cuobjdump) is not installed.
     """
     nvcc = find_nvcc()

@@ -6,12 +6,12 @@
 // nothing but the element's indices and the call's (seed, offset), so any tiling or thread order
 // drops the same elements, and the backward regenerates the forward's mask.
 //
-// Free of torch headers and host/device-neutral, so the CUDA kernels can include it as it is when they
-// take dropout (they do not yet); the CPU kernels include it once per instruction set. The functions
-// are static, so each instruction-set copy keeps its own (an inline function shared between them would
-// be linked once, from whichever copy came first).
+// Free of torch headers and host/device-neutral: the CUDA kernels include it as it is, the CPU
+// kernels once per instruction set. The functions are static, so each instruction-set copy keeps its
+// own (an inline function shared between them would be linked once, from whichever copy came first).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -31,6 +31,13 @@ struct DropoutParams {
   double keep_scale = 1.0;  // 1 / (1 - p)
 };
 
+// round(p * 2^32), at most 2^32 - 1: the threshold of dropout probability p in [0, 1) (the same
+// rounding as fused_attn/dropout.py).
+static inline uint32_t dropout_threshold(double p) {
+  const long long scaled = std::llround(p * 4294967296.0);
+  return static_cast<uint32_t>(scaled < 4294967295LL ? scaled : 4294967295LL);
+}
+
 constexpr int kPhiloxRounds = 10;
 constexpr uint32_t kPhiloxKeyBump0 = 0x9E3779B9u, kPhiloxKeyBump1 = 0xBB67AE85u;
 
@@ -49,9 +56,9 @@ FUSED_ATTN_HOST_DEVICE static inline void philox_round(uint32_t& c0, uint32_t& c
 
 // N Philox4x32-10 blocks at once (the four outputs of block i end in c0[i] .. c3[i]), in
 // structure-of-arrays form, written for a vectorising compiler; GCC 12 leaves it scalar for now
-// (bench/NOTES.md, section 10).
+// (bench/NOTES.md, section 10). The CUDA kernels run one block per thread (N = 1).
 template <int N>
-static inline void philox4x32_10_blocks(uint32_t (&c0)[N], uint32_t (&c1)[N], uint32_t (&c2)[N],
+FUSED_ATTN_HOST_DEVICE static inline void philox4x32_10_blocks(uint32_t (&c0)[N], uint32_t (&c1)[N], uint32_t (&c2)[N],
                                         uint32_t (&c3)[N], uint32_t k0, uint32_t k1) {
   for (int round = 0; round < kPhiloxRounds; ++round) {
     for (int i = 0; i < N; ++i) philox_round(c0[i], c1[i], c2[i], c3[i], k0, k1);

@@ -21,7 +21,7 @@ Each call draws a fresh 62-bit seed, with offset 0, from torch's generator of th
 so two calls drop different elements.
 
 This module is the Python statement of the formula; csrc/dropout.h states it for the C++ kernels
-(the CPU ones; the CUDA kernels take no dropout yet) and the Triton kernels implement it in
+(CPU and CUDA) and the Triton kernels implement it in
 `triton_kernels._dropout_bits`.
 """
 

@@ -376,6 +376,27 @@ def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, floa
     return report
 
 
+def run_backend(backend, inputs: Inputs, out_layout: str | None = None) -> Results:
+    """Forward and backward through a backend's own entry points (`Backend.forward` / `backward`,
+    below the ops and autograd) into the inputs' NaN-poisoned output, or a fresh NaN-poisoned one in
+    `out_layout`; a mask gradient summed into the mask's own shape, as autograd does."""
+    case = inputs.case
+    q, k, v = inputs.query, inputs.key, inputs.value
+    mask = inputs.mask_view()
+    out = inputs.out if out_layout is None else poisoned_output(q, case.value_dim, out_layout)
+    dropout = inputs.dropout()
+    lse = backend.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale, out,
+                          dropout)
+    grad_mask = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if case.mask_grad else None
+    dq, dk, dv = backend.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale,
+                                  out, lse, inputs.grad_out, inputs.grad_lse, dropout, grad_mask)
+    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        assert grad.shape == like.shape and grad.dtype == like.dtype, name
+    if grad_mask is not None:
+        grad_mask = grad_mask.sum_to_size(inputs.attn_mask.shape)
+    return Results(out, lse, dq, dk, dv, grad_mask)
+
+
 def run_attention(inputs: Inputs, backend: str) -> Results:
     """`fused_attn.attention(..., backend=backend)` on `inputs` with autograd: output, lse and the
     gradients of q, k, v by grad_out (and grad_lse where the case has one)."""

@@ -85,12 +85,21 @@ def test_tensor_cores_for_half_precision_only(report_rows):
 
 def test_report_rows_have_the_documented_keys(report_rows):
     keys = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "config", "registers",
-            "spill_bytes", "stack_bytes", "shared_bytes", "tensor_core_instructions", "fits", "problems"}
+            "spill_bytes", "stack_bytes", "shared_bytes", "tensor_core_instructions", "philox_rounds", "fits",
+            "problems"}
     for row in report_rows:
         assert set(row) == keys
         assert row["backend"] == "cuda" and row["causal"] is None
         assert row["fits"] == (not row["problems"])
     assert all(row["fits"] for row in report_rows), [r["problems"] for r in report_rows if r["problems"]]
+
+
+def test_dropout_stream_is_compiled_into_every_tile_kernel(report_rows):
+    """Dropout is a runtime argument: each forward and backward tile kernel holds one Philox4x32-10
+    block (ten rounds) in its SASS, so the registers and spills above include it."""
+    tiles = [r for r in report_rows if r["kernel"] in cuda_report.MATMUL_KERNELS]
+    assert tiles and not _offenders(tiles, lambda r: r["philox_rounds"] < cuda_report.PHILOX_ROUNDS)
+    assert all(r["philox_rounds"] == 0 for r in report_rows if r["kernel"] == "backward_delta")
 
 
 @pytest.mark.slow
@@ -120,6 +129,8 @@ SASS_SAMPLE = """\
         /*0100*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
         /*0110*/               @P0 HMMA.16816.F32 R4, R8, R12, R4 ;
         /*0120*/                   FFMA R1, R2, R3, R1 ;
+        /*0130*/                   IMAD.WIDE.U32 R36, R36, -0x2daee0ad, RZ ;  /* 0xd2511f5324247825 */
+        /*0140*/                   IMAD.WIDE.U32 R34, R34, -0x326172a9, RZ ;  /* 0xcd9e8d5722227825 */
 """
 
 
@@ -127,10 +138,11 @@ def test_parsers_read_ptxas_and_sass():
     usage = cuda_report.parse_ptxas(PTXAS_SAMPLE)
     name = next(iter(usage))
     assert usage[name] == {"registers": 74, "stack_bytes": 8, "spill_bytes": 16, "static_shared_bytes": 1024}
-    assert cuda_report.parse_sass(SASS_SAMPLE)[name] == {"HMMA.16816.F32": 2}
+    assert cuda_report.parse_sass(SASS_SAMPLE)[name] == {"HMMA.16816.F32": 2, "philox_rounds": 1}
     assert cuda_report._parse_mangled(name) == ("forward", "__half", 64)
     row = cuda_report._row("sm_80", ("forward", "__half", 64),
                            {"block_m": 64, "block_n": 64, "threads": 128, "dynamic_shared_bytes": 70000},
                            usage[name], {})
     assert not row["fits"] and row["shared_bytes"] == 71024
     assert any("spills" in p for p in row["problems"]) and any("tensor-core" in p for p in row["problems"])
+    assert any("Philox" in p for p in row["problems"])

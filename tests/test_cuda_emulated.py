@@ -19,6 +19,7 @@ import torch
 import fused_attn
 from fused_attn import testing
 from fused_attn.backends import registry
+from fused_attn.backends.extension import dropout_args
 
 BUILD = pathlib.Path(__file__).resolve().parent / "emulation" / "build.py"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,20 +67,47 @@ LARGE_HEAD_CASES = {
     "head_256": Case(batch=1, heads_q=1, heads_kv=1, len_q=20, len_k=35, dim_qk=200, dim_v=160,
                      mask="additive", mask_shape="2d", mask_layout="transposed", lse_grad=True, scale=0.3),
 }
+# Dropout and learned additive masks (mask_grad), with the other features.
+TRAINING_CASES = {
+    "dropout": Case(dropout_p=0.3, len_q=37, len_k=70, dim_qk=32),
+    "dropout_gqa_padding_lse_grad": Case(dropout_p=0.5, heads_q=4, heads_kv=2, key_padding=True, lse_grad=True,
+                                         dim_qk=24, dim_v=8),
+    "dropout_hidden_rows": Case(dropout_p=0.9, hidden_rows=True, mask="bool", mask_shape="batch",
+                                mask_layout="transposed", is_causal=True),
+    "mask_grad_full": Case(mask="additive", mask_grad=True, mask_layout="transposed", len_q=29, len_k=37),
+    "mask_grad_heads_causal_dropout": Case(mask="additive", mask_shape="heads_keys", mask_grad=True,
+                                           is_causal=True, dropout_p=0.2, heads_q=4, heads_kv=2, len_q=45,
+                                           len_k=70, dim_qk=24),
+    "mask_grad_2d_padding_lse": Case(mask="additive", mask_shape="2d", mask_grad=True, key_padding=True,
+                                     lse_grad=True, mask_layout="sliced"),
+    "mask_grad_hidden_rows": Case(mask="additive", mask_shape="batch", mask_grad=True, hidden_rows=True,
+                                  dropout_p=0.4),
+}
 # Rotations of the tensor layouts: two by default, the other three marked slow.
 ROTATIONS = [rotation if rotation in (0, 2) else pytest.param(rotation, marks=pytest.mark.slow)
              for rotation in range(len(LAYOUTS))]
 
 
+class EmulatedBackend:
+    """The emulated host glue behind the `Backend.forward` / `backward` interface, as the `cuda`
+    backend calls the real one (fused_attn/backends/extension.py)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
+        return self.module.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
+                                   *dropout_args(dropout))
+
+    def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
+                 grad_lse, dropout=None, grad_mask=None):
+        return self.module.backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
+                                    grad_out, grad_lse, *dropout_args(dropout), grad_mask)
+
+
 def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
     """Forward and backward through the emulated host glue, into the inputs' NaN-poisoned output."""
-    case = inputs.case
-    q, k, v, out = inputs.query, inputs.key, inputs.value, inputs.out
-    mask, padding = inputs.mask_view(), inputs.key_padding_mask
-    lse = module.forward(q, k, v, mask, padding, case.is_causal, case.softmax_scale, out)
-    grads = module.backward(q, k, v, mask, padding, case.is_causal, case.softmax_scale, out, lse,
-                            inputs.grad_out, inputs.grad_lse)
-    return testing.Results(out, lse, *grads)
+    return testing.run_backend(EmulatedBackend(module), inputs)
 
 
 # ---- emulated on the CPU ---------------------------------------------------------------------------
@@ -91,6 +119,44 @@ def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
 def test_emulated_matches_reference(emulated, name, dtype, rotation, generator):
     inputs = testing.random_inputs(CASES[name], dtype, rotation, generator)
     testing.check_inputs(run_emulated(emulated, inputs), inputs)
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("rotation", ROTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(TRAINING_CASES))
+def test_emulated_dropout_and_mask_gradient(emulated, name, dtype, rotation, generator):
+    """Against the float64 reference that drops the very same elements (fused_attn.dropout); the mask
+    gradient in the mask's own broadcast shape."""
+    inputs = testing.random_inputs(TRAINING_CASES[name], dtype, rotation, generator)
+    testing.check_inputs(run_emulated(emulated, inputs), inputs)
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_drops_what_every_backend_drops(emulated, generator):
+    """With V the identity, the output is the dropped, rescaled weights: their zeros are exactly
+    where `testing.dropout_mask` drops, as on the cpu backend."""
+    case = Case(batch=2, heads_q=3, heads_kv=3, len_q=21, len_k=32, dim_qk=16, dim_v=32, dropout_p=0.4)
+    inputs = testing.random_inputs(case, torch.float32, 0, generator)
+    value = torch.eye(32).expand(2, 3, 32, 32)
+    backend = EmulatedBackend(emulated)
+    out = torch.empty(2, 3, 21, 32)
+    backend.forward(inputs.query, inputs.key, value, None, None, False, 0.25, out, inputs.dropout())
+    keep = testing.dropout_mask(0.4, 2, 3, 21, 32, generator=inputs.dropout_generator())
+    assert torch.equal(out != 0, keep)
+    cpu_out = torch.empty_like(out)
+    registry.get("cpu").forward(inputs.query, inputs.key, value, None, None, False, 0.25, cpu_out,
+                                inputs.dropout())
+    torch.testing.assert_close(out, cpu_out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_emulated_training_backward_is_deterministic(emulated, dtype, generator):
+    inputs = testing.random_inputs(TRAINING_CASES["mask_grad_heads_causal_dropout"], dtype, 1, generator)
+    first, second = run_emulated(emulated, inputs), run_emulated(emulated, inputs)
+    for name, value in first.named().items():
+        assert torch.equal(value, second.named()[name]), name
 
 
 @pytest.mark.emulated_cuda
@@ -192,6 +258,20 @@ def test_emulated_glue_rejects_bad_backward_arguments(emulated):
         emulated.backward(q, q, q, None, None, False, 0.25, q, lse, q, None)
     with pytest.raises(RuntimeError, match="grad_lse must have shape"):
         emulated.backward(q, q, q, None, None, False, 0.25, q, lse.float(), q, torch.zeros(1, 2, 7))
+    rng = torch.tensor([5, 0])
+    for dropout_p, dropout_rng, message in ((1.0, rng, "dropout_p must be in"), (0.1, None, "dropout_rng"),
+                                            (0.1, rng.int(), "int64 tensor"), (0.1, torch.zeros(4, dtype=torch.long)[::2],
+                                                                               "contiguous")):
+        with pytest.raises(RuntimeError, match=message):
+            emulated.forward(q, q, q, None, None, False, 0.25, torch.empty_like(q), dropout_p, dropout_rng)
+    bias = torch.zeros(1, 2, 8, 8)
+    with pytest.raises(RuntimeError, match="only for an additive"):
+        emulated.backward(q, q, q, None, None, False, 0.25, q, lse.float(), q, None, 0.0, None, bias.clone())
+    with pytest.raises(RuntimeError, match="grad_mask must have query's dtype"):
+        emulated.backward(q, q, q, bias, None, False, 0.25, q, lse.float(), q, None, 0.0, None, bias.double())
+    with pytest.raises(RuntimeError, match="not an expanded view"):
+        emulated.backward(q, q, q, bias, None, False, 0.25, q, lse.float(), q, None, 0.0, None,
+                          torch.zeros(1, 1, 8, 8).expand(1, 2, 8, 8))
 
 
 @pytest.mark.emulated_cuda
@@ -210,7 +290,7 @@ def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
         pytest.skip(f"{sanitizer} sanitizer cannot start here: {done.stderr.strip()[:200]}")
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
     assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, done.stderr[-8000:]
-    assert done.stdout.count(": ok") == 3, done.stdout
+    assert done.stdout.count(": ok") == 4, done.stdout
 
 
 # ---- the backend's registration -------------------------------------------------------------------
@@ -238,9 +318,9 @@ def test_backend_refusals_name_each_reason():
     mask = torch.empty(8, 8, requires_grad=True)
     problem = Problem.of(q, v, v, mask, None, False, 0.1)
     reasons = " | ".join(registry.get("cuda").refusals(problem))
-    for expected in ("CUDA tensors only", "dtype torch.float64", "head dims up to 256", "dropout",
-                     "attn_mask"):
+    for expected in ("CUDA tensors only", "dtype torch.float64", "head dims up to 256"):
         assert expected in reasons
+    assert "dropout" not in reasons and "attn_mask" not in reasons
     fine = Problem.of(torch.empty(1, 2, 8, 64, dtype=torch.float16),
                       torch.empty(1, 1, 8, 64, dtype=torch.float16),
                       torch.empty(1, 1, 8, 64, dtype=torch.float16), None, None, True, 0.0)
@@ -255,6 +335,15 @@ def test_backend_refusals_name_each_reason():
 @pytest.mark.parametrize("name", [*CASES, *LARGE_HEAD_CASES])
 def test_cuda_matches_reference(name, dtype, rotation, generator):
     inputs = testing.random_inputs({**CASES, **LARGE_HEAD_CASES}[name], dtype, rotation, generator, "cuda")
+    testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rotation", range(len(LAYOUTS)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(TRAINING_CASES))
+def test_cuda_dropout_and_mask_gradient(name, dtype, rotation, generator):
+    inputs = testing.random_inputs(TRAINING_CASES[name], dtype, rotation, generator, "cuda")
     testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
 
 

@@ -125,23 +125,7 @@ def make_inputs(case: Case, dtype, rotation: int, generator) -> testing.Inputs:
 # ---------------------------------------------------------------------------------------------------
 
 def run_backend(inputs: testing.Inputs, out_layout: str | None = None) -> testing.Results:
-    """Forward and backward through the backend's entry points; the output is the inputs' NaN-poisoned
-    one, or a fresh NaN-poisoned one in `out_layout`."""
-    case = inputs.case
-    q, k, v = inputs.query, inputs.key, inputs.value
-    mask = inputs.mask_view()
-    out = inputs.out if out_layout is None else testing.poisoned_output(q, case.value_dim, out_layout)
-    dropout = inputs.dropout()
-    lse = BACKEND.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale, out,
-                          dropout)
-    grad_mask = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if case.mask_grad else None
-    dq, dk, dv = BACKEND.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale,
-                                  out, lse, inputs.grad_out, inputs.grad_lse, dropout, grad_mask)
-    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        assert grad.shape == like.shape and grad.dtype == like.dtype, name
-    if grad_mask is not None:  # in the mask's own shape, as autograd reduces it over the broadcast
-        grad_mask = grad_mask.sum_to_size(inputs.attn_mask.shape)
-    return testing.Results(out, lse, dq, dk, dv, grad_mask)
+    return testing.run_backend(BACKEND, inputs, out_layout)
 
 
 def _tiles(rotation: int) -> dict:

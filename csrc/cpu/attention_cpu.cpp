@@ -124,7 +124,7 @@ fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
   d.enabled = true;
   d.seed = static_cast<uint64_t>(values[0]);
   d.offset = static_cast<uint32_t>(static_cast<uint64_t>(values[1]));
-  d.threshold = static_cast<uint32_t>(std::min(std::llround(dropout_p * 4294967296.0), 4294967295LL));
+  d.threshold = fused_attn::dropout_threshold(dropout_p);
   d.keep_scale = 1.0 / (1.0 - dropout_p);
   return d;
 }

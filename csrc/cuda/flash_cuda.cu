@@ -64,23 +64,16 @@ CudaLaunch launcher_for(const at::Tensor& query) {
   return CudaLaunch{c10::cuda::getCurrentCUDAStream(device).stream(), max_shared_bytes};
 }
 
-// The CUDA kernels take no dropout and no mask gradient yet; the registry gives both to the triton
-// backend instead.
-void refuse_dropout(const char* op, double dropout_p) {
-  TORCH_CHECK(dropout_p == 0.0, op, ": dropout_p: the CUDA kernels do not implement dropout, got ",
-              dropout_p);
-}
-
 at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         const std::optional<at::Tensor>& attn_mask,
                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                         double scale, const at::Tensor& out, double dropout_p,
-                        const std::optional<at::Tensor>& /*dropout_rng*/) {
-  refuse_dropout("flash_forward", dropout_p);
+                        const std::optional<at::Tensor>& dropout_rng) {
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
+  check_device(query, dropout_rng, "dropout_rng");
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-                       launcher_for(query));
+                       dropout_p, dropout_rng, launcher_for(query));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -88,17 +81,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
-    const std::optional<at::Tensor>& /*dropout_rng*/, const std::optional<at::Tensor>& grad_mask) {
-  refuse_dropout("flash_backward", dropout_p);
-  TORCH_CHECK(!(grad_mask.has_value() && grad_mask->defined()),
-              "flash_backward: grad_mask: the CUDA kernels do not compute a mask gradient");
+    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask) {
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, lse, "lse");
   check_device(query, grad_out, "grad_out");
   check_device(query, grad_lse, "grad_lse");
+  check_device(query, dropout_rng, "dropout_rng");
+  check_device(query, grad_mask, "grad_mask");
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                        grad_out, grad_lse, launcher_for(query));
+                        grad_out, grad_lse, dropout_p, dropout_rng, grad_mask, launcher_for(query));
 }
 
 }  // namespace

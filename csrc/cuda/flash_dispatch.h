@@ -148,6 +148,27 @@ inline AttentionParams attention_params(const at::Tensor& query, const at::Tenso
   return p;
 }
 
+// The call's dropout into the kernel parameters: dropout_p in [0, 1) and, when it is above 0, the
+// call's (seed, offset) as a contiguous int64 tensor of two elements on the tensors' device, which the
+// kernels read themselves (fused_attn/dropout.py draws it there).
+inline void set_dropout(AttentionParams& p, double dropout_p, const std::optional<at::Tensor>& dropout_rng) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fused_attn cuda: dropout_p must be in [0, 1), got ",
+              dropout_p);
+  p.dropout_rng = nullptr;
+  p.drop_threshold = 0;
+  p.keep_scale = 1.0f;
+  if (dropout_p == 0.0) return;
+  TORCH_CHECK(dropout_rng.has_value() && dropout_rng->defined(),
+              "fused_attn cuda: dropout_rng: the call's (seed, offset) is needed with dropout_p > 0");
+  const at::Tensor& rng = *dropout_rng;
+  TORCH_CHECK(rng.scalar_type() == at::kLong && rng.dim() == 1 && rng.size(0) == 2 && rng.stride(0) == 1,
+              "fused_attn cuda: dropout_rng must be a contiguous int64 tensor (seed, offset) of shape "
+              "(2,), got ", rng.scalar_type(), " of shape ", rng.sizes(), " and strides ", rng.strides());
+  p.dropout_rng = rng.data_ptr<int64_t>();
+  p.drop_threshold = fused_attn::dropout_threshold(dropout_p);
+  p.keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+}
+
 inline void check_like_output(const at::Tensor& t, const char* name, const at::Tensor& query,
                               const AttentionParams& p) {
   TORCH_CHECK(t.dim() == 4, "fused_attn cuda: ", name, " must be 4-D, got shape ", t.sizes());
@@ -161,9 +182,11 @@ template <typename Launch>
 at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                         double scale, const at::Tensor& out, const Launch& launch) {
+                         double scale, const at::Tensor& out, double dropout_p,
+                         const std::optional<at::Tensor>& dropout_rng, const Launch& launch) {
   ForwardParams params{};
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  set_dropout(params.attn, dropout_p, dropout_rng);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
   fused_attn::check_output_memory("flash_forward", "out", out,
@@ -183,15 +206,20 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
 }
 
 // Gradients of query, key and value; `grad_lse` (may be absent) is the gradient flowing into the
-// log-sum-exp, entering as delta = rowsum(dO * O) - grad_lse. Deterministic.
+// log-sum-exp, entering as delta = rowsum(dO * O) - grad_lse. With `grad_mask` (zeros of shape
+// (B, H_q, L_q, L_k) and query's dtype), also the gradient of the additive attn_mask, dS, written
+// where a key is visible. Deterministic.
 template <typename Launch>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const Launch& launch) {
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
+    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
+    const Launch& launch) {
   BackwardParams params{};
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  set_dropout(params.attn, dropout_p, dropout_rng);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
   check_like_output(grad_out, "grad_out", query, p);
@@ -206,6 +234,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     TORCH_CHECK(grad_lse->dim() == 3, "fused_attn cuda: grad_lse must be (B, H_q, L_q)");
     check_shape(*grad_lse, "grad_lse", {p.batch, p.heads_q, p.len_q});
     grad_lse_f32 = grad_lse->to(at::kFloat);
+  }
+
+  params.grad_mask = nullptr;
+  if (grad_mask.has_value() && grad_mask->defined()) {
+    TORCH_CHECK(p.mask_kind == kAdditiveMask,
+                "fused_attn cuda: grad_mask is computed only for an additive (floating) attn_mask");
+    TORCH_CHECK(grad_mask->dim() == 4, "fused_attn cuda: grad_mask must be 4-D, got shape ",
+                grad_mask->sizes());
+    check_shape(*grad_mask, "grad_mask", {p.batch, p.heads_q, p.len_q, p.len_k});
+    TORCH_CHECK(grad_mask->scalar_type() == query.scalar_type(),
+                "fused_attn cuda: grad_mask must have query's dtype ", query.scalar_type(), ", got ",
+                grad_mask->scalar_type());
+    fused_attn::check_output_memory("flash_backward", "grad_mask", *grad_mask,
+                                    {{"query", &query}, {"key", &key}, {"value", &value},
+                                     {"attn_mask", &*attn_mask}, {"grad_out", &grad_out}});
+    params.grad_mask = grad_mask->data_ptr();
+    copy_strides(*grad_mask, params.grad_mask_stride);
   }
 
   at::Tensor grad_query = at::empty_like(query);

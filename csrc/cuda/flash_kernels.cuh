@@ -9,7 +9,13 @@
 //
 // The backward is deterministic and free of atomics: a dK/dV block loops over the query blocks of
 // every query head of its GQA group in a fixed order; dQ is a second kernel, one block per query
-// block looping over the key blocks; delta = rowsum(dO * O) - grad_lse comes from a third.
+// block looping over the key blocks; delta = rowsum(dO * O) - grad_lse comes from a third. The
+// gradient of an additive mask, dS, is written by the dK/dV kernel, each element once.
+//
+// Dropout and the mask gradient are runtime arguments, as causal masking is: every instance carries
+// them, so the compile report (bench/cuda_report.py) covers them. Dropout regenerates csrc/dropout.h's
+// stream, one Philox block per thread and four consecutive keys, in the forward and in both backward
+// kernels; nothing of size L_q x L_k is stored.
 //
 // The same source compiles with nvcc and, for the tests, with a host C++ compiler against
 // tests/emulation/cuda_emulation.h, which defines CUDA_EMULATION and supplies the CUDA names used
@@ -26,6 +32,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+
+#include "../dropout.h"
 
 #ifndef CUDA_EMULATION
 // The block's dynamic shared memory (the emulation provides one buffer per emulated block instead).
@@ -82,6 +90,11 @@ struct AttentionParams {
   int batch, heads_q, heads_kv, group, len_q, len_k, dim_qk, dim_v;
   float scale;
   bool is_causal;
+  // Dropout: the call's (seed, offset), int64 in the tensors' memory, read by the kernels themselves
+  // (no host synchronisation, so CUDA graphs replay it); null without dropout.
+  const int64_t* dropout_rng;
+  uint32_t drop_threshold;  // an element is dropped when its 32-bit integer is below this
+  float keep_scale;         // 1 / (1 - p); 1 without dropout
 };
 
 struct ForwardParams {
@@ -104,6 +117,8 @@ struct BackwardParams {
   int64_t grad_k_stride[4];
   void* grad_v;
   int64_t grad_v_stride[4];
+  void* grad_mask;  // (B, H_q, L_q, L_k) of the element type, zero-filled, or null: dS is written here
+  int64_t grad_mask_stride[4];
 };
 
 struct DeltaParams {
@@ -216,6 +231,7 @@ struct Config {
   static_assert(block_m > 0, "no tile fits the shared-memory budget");
   static_assert(kThreads % block_m == 0 && kThreads / block_m <= 32, "row groups must fit a warp");
   static_assert(HEAD % 16 == 0 && block_m % 16 == 0, "tiles are made of 16x16 fragments");
+  static_assert(block_n % 4 == 0, "a thread's Philox block covers four consecutive keys");
 };
 
 // ---- small device helpers ---------------------------------------------------------------------
@@ -356,6 +372,31 @@ __device__ __forceinline__ float score_bias(const AttentionParams& p, int b, int
   return Element<T>::load(static_cast<const T*>(p.mask)[offset]);
 }
 
+// Dropout's keep/drop decisions as a thread regenerates them (csrc/dropout.h): seed and offset are
+// read once per kernel.
+struct DropoutStream {
+  bool enabled;
+  uint32_t key0, key1, offset, threshold;
+
+  static __device__ __forceinline__ DropoutStream of(const AttentionParams& p) {
+    if (p.dropout_rng == nullptr) return {false, 0, 0, 0, 0};
+    const uint64_t seed = static_cast<uint64_t>(p.dropout_rng[0]);
+    return {true, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+            static_cast<uint32_t>(static_cast<uint64_t>(p.dropout_rng[1])), p.drop_threshold};
+  }
+
+  // Bit c is set when key j4 + c of query i in head `batch_head` (b * H_q + h) is kept; j4 is a
+  // multiple of 4, so the four keys are the four outputs of one Philox block.
+  __device__ __forceinline__ unsigned kept4(int batch_head, int i, int j4) const {
+    if (!enabled) return 0xFu;
+    uint32_t c0[1] = {static_cast<uint32_t>(j4 / 4)}, c1[1] = {static_cast<uint32_t>(i)};
+    uint32_t c2[1] = {static_cast<uint32_t>(batch_head)}, c3[1] = {offset};
+    fused_attn::philox4x32_10_blocks<1>(c0, c1, c2, c3, key0, key1);
+    return static_cast<unsigned>(c0[0] >= threshold) | static_cast<unsigned>(c1[0] >= threshold) << 1 |
+           static_cast<unsigned>(c2[0] >= threshold) << 2 | static_cast<unsigned>(c3[0] >= threshold) << 3;
+  }
+};
+
 // ---- forward ----------------------------------------------------------------------------------
 
 template <typename T, int HEAD>
@@ -383,6 +424,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
 
   // LANES consecutive threads of one warp share a row and its running max and sum.
   const int row = threadIdx.x / LANES, lane = threadIdx.x % LANES, i = m0 + row;
+  const DropoutStream dropout = DropoutStream::of(p);
+  const int batch_head = b * p.heads_q + h;
   float row_max = -INFINITY, row_sum = 0.0f;
   // Causal: key blocks wholly after the last query of this block are skipped.
   const int n_end = p.is_causal ? min_int(p.len_k, m0 + BM) : p.len_k;
@@ -405,11 +448,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
     // not NaN.
     const float reference = new_max == -INFINITY ? 0.0f : new_max;
     const float rescale = expf(row_max - reference);
+    // Four consecutive keys per thread: one Philox block gives their dropout decisions. The sum is
+    // of the undropped weights; the kept ones are scaled once, at the end.
     float tile_sum = 0.0f;
-    for (int j = lane; j < BN; j += LANES) {
-      const float probability = expf(s_row[j] - reference);
-      tile_sum += probability;
-      p_s[row * LDP + j] = Element<T>::store(probability);
+    for (int j4 = lane * 4; j4 < BN; j4 += LANES * 4) {
+      const unsigned kept = dropout.kept4(batch_head, i, n0 + j4);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float probability = expf(s_row[j4 + c] - reference);
+        tile_sum += probability;
+        p_s[row * LDP + j4 + c] = Element<T>::store(kept >> c & 1u ? probability : 0.0f);
+      }
     }
     row_sum = row_sum * rescale + group_sum<LANES>(tile_sum);
     row_max = new_max;
@@ -421,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
 
   // A row that saw no key: output 0, log-sum-exp -inf.
   if (lane == 0) {
-    inv_sum_s[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    inv_sum_s[row] = row_sum > 0.0f ? p.keep_scale / row_sum : 0.0f;
     if (i < p.len_q)
       params.lse[(static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i] =
           row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
@@ -483,20 +532,37 @@ __device__ __forceinline__ void load_row_stats(const BackwardParams& params, int
 
 // From S = Q Kᵀ and dP = dO Vᵀ of a (BM x BN) tile: P = exp(scale * S + bias - lse) and
 // dS = P * (dP - delta), stored in the element type for the next tile products (P only if p_s).
+// With dropout, O = (Z ∘ P / (1 - p)) V for the keep mask Z: the stored P is Z ∘ P (dV scales by
+// 1 / (1 - p) at the end) and the gradient of the undropped weights is Z ∘ dP / (1 - p). With a
+// `grad_mask` (the dK/dV kernel's tiles), dS is also written there: the gradient of the mask.
 template <typename T, int BM, int BN>
-__device__ __forceinline__ void probabilities_and_grads(const AttentionParams& p, int b, int h,
+__device__ __forceinline__ void probabilities_and_grads(const BackwardParams& params, int b, int h,
                                                         int m0, int n0, const float* s_s,
                                                         const float* dp_s, int lds,
                                                         const float* lse_s, const float* delta_s,
-                                                        T* p_s, T* ds_s, int ldp) {
-  for (int e = threadIdx.x; e < BM * BN; e += kThreads) {
-    const int r = e / BN, j = e % BN;
-    const float s = s_s[r * lds + j] * p.scale + score_bias<T>(p, b, h, m0 + r, n0 + j);
+                                                        T* p_s, T* ds_s, int ldp, T* grad_mask) {
+  const AttentionParams& p = params.attn;
+  const DropoutStream dropout = DropoutStream::of(p);
+  const int batch_head = b * p.heads_q + h;
+  for (int e = threadIdx.x; e < BM * BN / 4; e += kThreads) {
+    const int r = e / (BN / 4), j4 = e % (BN / 4) * 4, i = m0 + r;
+    const unsigned kept = dropout.kept4(batch_head, i, n0 + j4);
     const float lse = lse_s[r];
-    // lse -inf: the row sees no key, its gradients are 0 (never exp(-inf - -inf) = NaN).
-    const float probability = (lse == -INFINITY || s == -INFINITY) ? 0.0f : expf(s - lse);
-    if (p_s != nullptr) p_s[r * ldp + j] = Element<T>::store(probability);
-    ds_s[r * ldp + j] = Element<T>::store(probability * (dp_s[r * lds + j] - delta_s[r]));
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = j4 + c;
+      const float s = s_s[r * lds + j] * p.scale + score_bias<T>(p, b, h, i, n0 + j);
+      // lse -inf: the row sees no key, its gradients are 0 (never exp(-inf - -inf) = NaN).
+      const float probability = (lse == -INFINITY || s == -INFINITY) ? 0.0f : expf(s - lse);
+      const bool keep = kept >> c & 1u;
+      const float grad_p = keep ? dp_s[r * lds + j] * p.keep_scale : 0.0f;
+      const float grad_s = probability * (grad_p - delta_s[r]);
+      if (p_s != nullptr) p_s[r * ldp + j] = Element<T>::store(keep ? probability : 0.0f);
+      ds_s[r * ldp + j] = Element<T>::store(grad_s);
+      if (grad_mask != nullptr && i < p.len_q && n0 + j < p.len_k)
+        grad_mask[i * params.grad_mask_stride[2] + (n0 + j) * params.grad_mask_stride[3]] =
+            Element<T>::store(grad_s);
+    }
   }
 }
 
@@ -538,6 +604,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int h = h_kv * p.group + g;
     const T* q = head_of<const T>(p.q, p.q_stride, b, h);
     const T* grad_out = head_of<const T>(params.grad_out, params.grad_out_stride, b, h);
+    T* grad_mask = params.grad_mask == nullptr
+                       ? nullptr
+                       : head_of<T>(params.grad_mask, params.grad_mask_stride, b, h);
     for (int m0 = m_begin; m0 < p.len_q; m0 += BM) {
       load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
       load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2],
@@ -547,8 +616,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
       block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
       __syncthreads();
-      probabilities_and_grads<T, BM, BN>(p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s, p_s,
-                                         ds_s, LDP);
+      probabilities_and_grads<T, BM, BN>(params, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s, p_s,
+                                         ds_s, LDP, grad_mask);
       __syncthreads();
       block_gemm<T, BN, HEAD, BM, true, false, true>(p_s, LDP, do_s, LD, dv_s, LDA);  // += Pᵀ dO
       block_gemm<T, BN, HEAD, BM, true, false, true>(ds_s, LDP, q_s, LD, dk_s, LDA);  // += dSᵀ Q
@@ -567,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           Element<T>::store(dk_s[r * LDA + d] * p.scale);
     if (d < p.dim_v)
       grad_v[n * params.grad_v_stride[2] + d * params.grad_v_stride[3]] =
-          Element<T>::store(dv_s[r * LDA + d]);
+          Element<T>::store(dv_s[r * LDA + d] * p.keep_scale);
   }
 }
 
@@ -610,8 +679,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
     block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
     block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
     __syncthreads();
-    probabilities_and_grads<T, BM, BN>(p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s,
-                                       static_cast<T*>(nullptr), ds_s, LDP);
+    probabilities_and_grads<T, BM, BN>(params, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s,
+                                       static_cast<T*>(nullptr), ds_s, LDP, static_cast<T*>(nullptr));
     __syncthreads();
     block_gemm<T, BM, HEAD, BN, false, false, true>(ds_s, LDP, k_s, LD, dq_s, LDA);  // += dS K
     __syncthreads();

@@ -7,7 +7,9 @@ when the `triton` backend cannot run the call (it comes after it in the registry
 It reaches the kernels through the ops `torch.ops.fused_attn.flash_forward` / `flash_backward`,
 whose CUDA implementation csrc/cuda/flash_cuda.cu registers. fp16 and bf16 products run on tensor
 cores with fp32 accumulation; fp32 runs exactly on CUDA cores (no TF32), whatever
-`torch.backends.cuda.matmul.allow_tf32` says. Needs compute capability 8.0 or newer.
+`torch.backends.cuda.matmul.allow_tf32` says. Needs compute capability 8.0 or newer. Dropout draws
+csrc/dropout.h's stream, the same elements as every other backend; the backward also gives the
+gradient of a learned additive mask.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class CudaBackend(ExtensionBackend):
     devices = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
     max_head_dim = 256
+    takes_dropout = True
+    takes_mask_gradient = True
 
     def unavailable(self) -> str | None:
         if (reason := super().unavailable()) is not None:

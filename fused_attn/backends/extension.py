@@ -9,7 +9,7 @@ from .. import _extension
 from .base import Backend
 
 
-def _dropout_args(dropout):
+def dropout_args(dropout):
     """(dropout_p, dropout_rng) of the C++ ops."""
     return (0.0, None) if dropout is None else (dropout.p, dropout.rng)
 
@@ -22,10 +22,10 @@ class ExtensionBackend(Backend):
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
         return torch.ops.fused_attn.flash_forward(query, key, value, attn_mask, key_padding_mask,
-                                                  is_causal, scale, out, *_dropout_args(dropout))
+                                                  is_causal, scale, out, *dropout_args(dropout))
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                  grad_out, grad_lse, dropout=None, grad_mask=None):
         return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
                                                    is_causal, scale, out, lse, grad_out, grad_lse,
-                                                   *_dropout_args(dropout), grad_mask)
+                                                   *dropout_args(dropout), grad_mask)

@@ -1,8 +1,8 @@
 """The einsum formulation: scores, softmax, weighted sum of values. The oracle of every other backend.
 
 It materialises the (L_q, L_k) scores, so its memory grows with L². Everything here is plain
-differentiable PyTorch, so it also serves the calls no fused backend can run here (dropout or a mask
-gradient on a CUDA machine without Triton, say), and `MultiheadAttention`'s weights after dropout.
+differentiable PyTorch, so it also serves the calls no fused backend can run here (float64 on a
+GPU, say), and `MultiheadAttention`'s weights after dropout.
 """
 
 from __future__ import annotations

@@ -46,11 +46,12 @@ bool all_finite(const std::vector<T>& values) {
   return true;
 }
 
-// Forward and backward of one problem: GQA, L_q != L_k, causal, a broadcast bool mask with some
-// rows fully hidden, key padding. Returns the number of outputs with NaN or infinite elements.
+// Forward and backward of one problem: GQA, L_q != L_k, causal, key padding and a broadcast mask:
+// bool with some rows fully hidden, or, for `training`, an additive one whose gradient is computed,
+// with dropout. Returns the number of outputs with NaN or infinite elements.
 template <typename T, int HEAD>
 int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim_qk,
-        int dim_v) {
+        int dim_v, bool training = false) {
   std::mt19937 rng(1234);
   const std::size_t q_size = static_cast<std::size_t>(batch) * heads_q * len_q;
   const std::size_t k_size = static_cast<std::size_t>(batch) * heads_kv * len_k;
@@ -62,6 +63,9 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   std::vector<uint8_t> mask(static_cast<std::size_t>(len_q) * len_k), padding(batch * len_k);
   for (std::size_t i = 0; i < mask.size(); ++i) mask[i] = rng() % 4 != 0 && i / len_k != 3;
   for (std::size_t i = 0; i < padding.size(); ++i) padding[i] = rng() % 5 == 0;
+  const auto bias = random_values<T>(mask.size(), rng);
+  std::vector<T> grad_mask(q_size * len_k, Element<T>::store(0.0f));
+  const int64_t dropout_rng[2] = {0x123456789abcdefLL, 7};
 
   AttentionParams attn{};
   attn.q = q.data();
@@ -70,8 +74,8 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   contiguous(attn.q_stride, heads_q, len_q, dim_qk);
   contiguous(attn.k_stride, heads_kv, len_k, dim_qk);
   contiguous(attn.v_stride, heads_kv, len_k, dim_v);
-  attn.mask = mask.data();
-  attn.mask_kind = kBoolMask;
+  attn.mask = training ? static_cast<const void*>(bias.data()) : mask.data();
+  attn.mask_kind = training ? kAdditiveMask : kBoolMask;
   const int64_t mask_stride[4] = {0, 0, len_k, 1};  // (L_q, L_k) broadcast over batch and heads
   std::copy(mask_stride, mask_stride + 4, attn.mask_stride);
   attn.key_padding = padding.data();
@@ -87,6 +91,9 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   attn.dim_v = dim_v;
   attn.scale = 0.2f;
   attn.is_causal = true;
+  attn.dropout_rng = training ? dropout_rng : nullptr;
+  attn.drop_threshold = training ? fused_attn::dropout_threshold(0.25) : 0;
+  attn.keep_scale = training ? 1.0f / 0.75f : 1.0f;
 
   ForwardParams forward{};
   forward.attn = attn;
@@ -126,12 +133,15 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   contiguous(backward.grad_k_stride, heads_kv, len_k, dim_qk);
   backward.grad_v = grad_v.data();
   contiguous(backward.grad_v_stride, heads_kv, len_k, dim_v);
+  backward.grad_mask = training ? grad_mask.data() : nullptr;
+  contiguous(backward.grad_mask_stride, heads_q, len_q, len_k);
   launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(attn), backward);
   launch(&flash_backward_dkdv_kernel<T, HEAD>, backward_dkdv_shape<T, HEAD>(attn), backward);
 
   int failures = 0;
   for (const auto& [what, ok] : {std::pair{"out", all_finite(out)}, {"grad_query", all_finite(grad_q)},
-                                 {"grad_key", all_finite(grad_k)}, {"grad_value", all_finite(grad_v)}}) {
+                                 {"grad_key", all_finite(grad_k)}, {"grad_value", all_finite(grad_v)},
+                                 {"grad_mask", all_finite(grad_mask)}}) {
     if (!ok) {
       std::fprintf(stderr, "%s: %s has unwritten or non-finite elements\n", name, what);
       ++failures;
@@ -149,5 +159,7 @@ int main() {
   failures += run<__half, 64>("float16, head 64", 1, 2, 1, 70, 90, 40, 48);
   failures += run<__nv_bfloat16, 32>("bfloat16, head 32", 2, 2, 2, 80, 45, 32, 24);
   failures += run<float, 128>("float32, head 128", 1, 2, 1, 40, 50, 72, 100);
+  // Dropout and the gradient of an additive mask.
+  failures += run<__half, 32>("float16, head 32, training", 1, 4, 2, 50, 70, 24, 32, true);
   return failures == 0 ? 0 : 1;
 }
