@@ -55,8 +55,9 @@ FUSED_ATTN_HOST_DEVICE static inline void philox_round(uint32_t& c0, uint32_t& c
 }
 
 // N Philox4x32-10 blocks at once (the four outputs of block i end in c0[i] .. c3[i]), in
-// structure-of-arrays form, written for a vectorising compiler; GCC 12 leaves it scalar for now
-// (bench/NOTES.md, section 10). The CUDA kernels run one block per thread (N = 1).
+// structure-of-arrays form. The CUDA kernels run one block per thread (N = 1); the CPU kernels' AVX2
+// and AVX512 copies run the same rounds in vector registers (csrc/cpu/flash_kernel.h: no compiler
+// vectorises this loop, bench/NOTES.md, sections 10 and 11), their generic copy runs this one.
 template <int N>
 FUSED_ATTN_HOST_DEVICE static inline void philox4x32_10_blocks(uint32_t (&c0)[N], uint32_t (&c1)[N], uint32_t (&c2)[N],
                                         uint32_t (&c3)[N], uint32_t k0, uint32_t k1) {

@@ -469,38 +469,144 @@ inline void log_in_place(T* x, int64_t n) {
 // Dropout (csrc/dropout.h): the random integers of a row's keys k0 .. k0 + n, then the row with the
 // dropped entries zeroed and, where asked, the kept ones scaled.
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Sixteen 32-bit lanes (blocks) per register.
+using PhiloxLanes = __m512i;
+inline __m512i splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+inline __m512i xor3(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
+
+// vpmuludq multiplies the even lanes into 64-bit products; the odd lanes, shifted down, take a second
+// one; one two-source permutation per half puts the halves back into 32-bit lanes (on the shuffle
+// port, while the products and shifts keep the other one busy).
+inline void mul_hi_lo(__m512i a, __m512i multiplier, __m512i& hi, __m512i& lo) {
+  // Lane 2k of the result from product k of `even`, lane 2k + 1 from product k of `odd` (index 16+).
+  const __m512i low_halves = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+  const __m512i high_halves = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  const __m512i even = _mm512_mul_epu32(a, multiplier);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), multiplier);
+  hi = _mm512_permutex2var_epi32(even, high_halves, odd);
+  lo = _mm512_permutex2var_epi32(even, low_halves, odd);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// Eight lanes per register; AVX2 has no two-source dword permutation across 128-bit lanes, so the
+// halves go back into place by shifts and blends.
+using PhiloxLanes = __m256i;
+inline __m256i splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+inline __m256i xor3(__m256i a, __m256i b, __m256i c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
+
+inline void mul_hi_lo(__m256i a, __m256i multiplier, __m256i& hi, __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(a, multiplier);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), multiplier);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// The ten rounds of csrc/dropout.h on a register of blocks (one lane each), the word of the counter
+// in c0 .. c3.
+inline void philox_rounds(PhiloxLanes& c0, PhiloxLanes& c1, PhiloxLanes& c2, PhiloxLanes& c3, uint32_t key0,
+                          uint32_t key1) {
+  const PhiloxLanes m0 = splat(0xD2511F53u), m1 = splat(0xCD9E8D57u);
+  for (int round = 0; round < fused_attn::kPhiloxRounds; ++round) {
+    PhiloxLanes hi0, lo0, hi1, lo1;
+    mul_hi_lo(c0, m0, hi0, lo0);
+    mul_hi_lo(c2, m1, hi1, lo1);
+    c0 = xor3(hi1, c1, splat(key0));
+    c2 = xor3(hi0, c3, splat(key1));
+    c1 = lo1;
+    c3 = lo0;
+    key0 += fused_attn::kPhiloxKeyBump0;
+    key1 += fused_attn::kPhiloxKeyBump1;
+  }
+}
+#endif
+
+// Philox4x32-10 on sixteen blocks whose counters differ in the first word only (block0 + 0 .. 15),
+// written to `keys` in key order: output c of block i is key 4 i + c.
+#if defined(CPU_CAPABILITY_AVX512)
+inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
+                             uint32_t key0, uint32_t key1, uint32_t* keys) {
+  __m512i c0 = _mm512_add_epi32(splat(block0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512i c1 = splat(query), c2 = splat(batch_head), c3 = splat(offset);
+  philox_rounds(c0, c1, c2, c3, key0, key1);
+  // Interleave into key order: within each 128-bit lane, the four words of blocks 4k .. 4k+3 ...
+  const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
+  const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
+  const __m512i u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);
+  const __m512i u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);
+  // ... u_r holds blocks r, 4 + r, 8 + r, 12 + r; a 4x4 transpose of 128-bit lanes puts them in order.
+  const __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44), v1 = _mm512_shuffle_i32x4(u2, u3, 0x44);
+  const __m512i v2 = _mm512_shuffle_i32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+  _mm512_storeu_si512(keys, _mm512_shuffle_i32x4(v0, v1, 0x88));
+  _mm512_storeu_si512(keys + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
+  _mm512_storeu_si512(keys + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
+  _mm512_storeu_si512(keys + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
+                             uint32_t key0, uint32_t key1, uint32_t* keys) {
+  for (int half = 0; half < 2; ++half) {
+    __m256i c0 = _mm256_add_epi32(splat(block0 + 8 * half), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256i c1 = splat(query), c2 = splat(batch_head), c3 = splat(offset);
+    philox_rounds(c0, c1, c2, c3, key0, key1);
+    // u_r holds blocks r and 4 + r (one per 128-bit lane); the lanes are then put in order.
+    const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
+    const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    auto* out = reinterpret_cast<__m256i*>(keys + 32 * half);
+    _mm256_storeu_si256(out, _mm256_permute2x128_si256(u0, u1, 0x20));
+    _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(u2, u3, 0x20));
+    _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(u0, u1, 0x31));
+    _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(u2, u3, 0x31));
+  }
+}
+#else
+inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
+                             uint32_t key0, uint32_t key1, uint32_t* keys) {
+  constexpr int kBlocks = 16;
+  uint32_t c0[kBlocks], c1[kBlocks], c2[kBlocks], c3[kBlocks];
+  for (int i = 0; i < kBlocks; ++i) {
+    c0[i] = block0 + static_cast<uint32_t>(i);
+    c1[i] = query;
+    c2[i] = batch_head;
+    c3[i] = offset;
+  }
+  fused_attn::philox4x32_10_blocks(c0, c1, c2, c3, key0, key1);
+  for (int i = 0; i < kBlocks; ++i) {
+    keys[4 * i] = c0[i];
+    keys[4 * i + 1] = c1[i];
+    keys[4 * i + 2] = c2[i];
+    keys[4 * i + 3] = c3[i];
+  }
+}
+#endif
+
 // One Philox block per four keys, sixteen blocks (64 keys) at a time; k0 need not be a multiple of 4.
 inline void dropout_row_bits(const fused_attn::DropoutParams& d, int64_t batch_head, int64_t query, int64_t k0,
                              int64_t n, uint32_t* bits) {
   constexpr int kBlocks = 16;
   const int64_t first_block = k0 / 4, end_block = (k0 + n + 3) / 4;
   for (int64_t block0 = first_block; block0 < end_block; block0 += kBlocks) {
-    alignas(64) uint32_t c0[kBlocks], c1[kBlocks], c2[kBlocks], c3[kBlocks];
-    for (int i = 0; i < kBlocks; ++i) {
-      c0[i] = static_cast<uint32_t>(block0 + i);
-      c1[i] = static_cast<uint32_t>(query);
-      c2[i] = static_cast<uint32_t>(batch_head);
-      c3[i] = d.offset;
-    }
-    fused_attn::philox4x32_10_blocks(c0, c1, c2, c3, static_cast<uint32_t>(d.seed),
-                                     static_cast<uint32_t>(d.seed >> 32));
-    alignas(64) uint32_t keys[4 * kBlocks];  // output `lane` of block i belongs to key 4 (block0 + i) + lane
-    for (int i = 0; i < kBlocks; ++i) {
-      keys[4 * i] = c0[i];
-      keys[4 * i + 1] = c1[i];
-      keys[4 * i + 2] = c2[i];
-      keys[4 * i + 3] = c3[i];
-    }
     const int64_t from = std::max<int64_t>(4 * block0, k0), to = std::min<int64_t>(4 * (block0 + kBlocks), k0 + n);
-    std::memcpy(bits + (from - k0), keys + (from - 4 * block0), static_cast<size_t>(to - from) * sizeof(uint32_t));
+    // Whole blocks straight into the row's bits; a partial one at either end through a buffer.
+    const bool whole = from == 4 * block0 && to == 4 * (block0 + kBlocks);
+    alignas(64) uint32_t buffer[4 * kBlocks];
+    uint32_t* keys = whole ? bits + (from - k0) : buffer;
+    philox_16_blocks(static_cast<uint32_t>(block0), static_cast<uint32_t>(query), static_cast<uint32_t>(batch_head),
+                     d.offset, static_cast<uint32_t>(d.seed), static_cast<uint32_t>(d.seed >> 32), keys);
+    if (!whole) {
+      std::memcpy(bits + (from - k0), buffer + (from - 4 * block0), static_cast<size_t>(to - from) * sizeof(uint32_t));
+    }
   }
 }
 
+// A select, not a conditional store: the compiler makes it one compare and one blend per vector
+// (the conditional store became a test of each vector followed by scalar stores).
 template <typename T>
 inline void drop_row(T* row, const uint32_t* bits, int64_t n, uint32_t threshold) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (bits[j] < threshold) row[j] = T(0);
-  }
+  for (int64_t j = 0; j < n; ++j) row[j] = bits[j] < threshold ? T(0) : row[j];
 }
 
 template <typename T>
