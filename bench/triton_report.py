@@ -1,8 +1,10 @@
 """Static GPU report of the `triton` backend, made without a GPU.
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
-bf16; head dims 64 and 128; causal and not, causal with dropout, and for dK/dV causal with dropout and
-the gradient of a learned additive bias) for sm_80 and sm_90 with Triton's
+bf16; head dims 64 and 128; causal and not, causal with dropout, causal with every score variant of
+fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi), and for dK/dV
+causal with dropout and the gradient of a learned additive bias, alone and with the score variants)
+for sm_80 and sm_90 with Triton's
 own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
 `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
 (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
@@ -40,22 +42,24 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
 # Kernels whose work is matrix products; the preprocess is a row-wise reduction without any.
 MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 PREPROCESS_CONFIG = "BLOCK_M={block_m},warps={warps},stages=1"
-# (causal, dropout, bias_grad) variants of the kernels with products; the preprocess depends on none.
-# bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel only.
-VARIANTS = ((False, False, False), (True, False, False), (True, True, False))
+# (causal, dropout, bias_grad, scores) variants of the kernels with products; the preprocess depends on
+# none. bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel only; scores
+# is every score variant at once (window, bottom-right alignment, softcap, ALiBi).
+VARIANTS = ((False, False, False, False), (True, False, False, False), (True, True, False, False),
+            (True, False, False, True))
 
 
-def variants(kernel: str) -> tuple[tuple[bool, bool, bool], ...]:
+def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool], ...]:
     if kernel == "bwd_dkdv":
-        return (*VARIANTS, (True, True, True))
-    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False),)
+        return (*VARIANTS, (True, True, True, False), (True, True, True, True))
+    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False, False),)
 
 
 def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
-    """One dict per (kernel, target, dtype, head dim, causal, dropout, bias_grad): resources,
+    """One dict per (kernel, target, dtype, head dim, causal, dropout, bias_grad, scores): resources,
     instructions, verdict.
 
-    Keys: backend, kernel, target, dtype, head_dim, causal, dropout, bias_grad, config, registers, spill_bytes,
+    Keys: backend, kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores, config, registers, spill_bytes,
     stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
     """
     with tempfile.TemporaryDirectory(prefix="fused_attn_triton_cache_") as cache:
@@ -93,13 +97,14 @@ def _signature(fn, args, constexprs):
     return signature, constants, attrs
 
 
-def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_grad):
+def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_grad, scores):
     """(kernel fn, args, constexprs, config string or None, dtype) for one report row: the preprocess
     comes with its fixed config; the other kernels take their default one in `_compile_row`."""
     import torch
     from fused_attn.backends import triton_kernels as tk
     from fused_attn.dropout import Dropout
     from fused_attn.problem import output_like
+    from fused_attn.scores import PLAIN, ScoreVariant
 
     dtype = getattr(torch, dtype_name)
     batch, heads, length = 2, 4, 256
@@ -116,8 +121,11 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     # A learned (1, H, L, L) bias, broadcast over the batch, and its dense gradient.
     bias = torch.empty(1, heads, length, length, dtype=dtype).expand(batch, -1, -1, -1) if bias_grad else None
     grad_bias = torch.empty(batch, heads, length, length, dtype=dtype) if bias_grad else None
+    # Every score variant at once: a bottom-right window, a softcap, ALiBi slopes (B, H_q).
+    variant = (ScoreVariant(bottom_right=True, window_left=128, window_right=0, softcap=30.0,
+                            alibi_slopes=torch.empty(batch, heads)) if scores else PLAIN)
     if kernel == "fwd":
-        args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse, drop)
+        args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse, drop, variant)
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
         config = PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"], warps=tk.PREPROCESS_WARPS)
@@ -125,7 +133,7 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     else:
         grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
         args, constexprs = tk.backward_args(kernel, q, k, v, bias, None, causal, scale, grad_out, lse, delta,
-                                            grads, drop, grad_bias)
+                                            grads, drop, grad_bias, variant)
     return tk.KERNELS[kernel], args, constexprs, None, dtype
 
 
@@ -168,7 +176,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool)
     return row
 
 
-def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_grad) -> dict:
+def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_grad, scores) -> dict:
     """Compiles one kernel at its default config and inspects it."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -176,7 +184,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     from fused_attn.backends import triton_kernels as tk
 
     fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
-                                                                    dropout, bias_grad)
+                                                                    dropout, bias_grad, scores)
     options = {"num_warps": tk.PREPROCESS_WARPS, "num_stages": 1}
     if config_text is None:
         config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize, constexprs)
@@ -184,7 +192,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)
     row = {"backend": "triton", "kernel": kernel, "target": target, "dtype": dtype_name,
-           "head_dim": head_dim, "causal": causal, "dropout": dropout, "bias_grad": bias_grad,
+           "head_dim": head_dim, "causal": causal, "dropout": dropout, "bias_grad": bias_grad, "scores": scores,
            "config": config_text}
     signature, constants, attrs = _signature(fn, args, constexprs)
     try:
@@ -211,8 +219,8 @@ def _rows(targets, dtypes, head_dims):
         for dtype_name in dtypes:
             for head_dim in head_dims:
                 for kernel in KERNELS:
-                    for causal, dropout, bias_grad in variants(kernel):
-                        yield _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_grad)
+                    for variant in variants(kernel):
+                        yield _compile_row(kernel, target, dtype_name, head_dim, *variant)
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,10 @@
 // Dropout (dropout_p > 0) drops the elements of csrc/dropout.h's stream for the call's (seed, offset),
 // dropout_rng: int64 (2,) on the tensors' device. The backward writes the gradient of an additive
 // attn_mask, dS, into `grad_mask` when given: zeros (B, H_q, L_q, L_k) of the mask's dtype, dense.
+// The score variant (fused_attn/scores.py): query i sees key j iff -window_left <= j - (i + offset)
+// <= window_right (-1: unbounded; is_causal makes window_right 0), offset = L_k - L_q if bottom_right
+// else 0; softcap > 0 caps the scaled scores; alibi_slopes, float32 (B, H_q) with any strides, adds
+// -slope * |i + offset - j|.
 
 #include <Python.h>
 #include <torch/library.h>
@@ -24,10 +28,12 @@ TORCH_LIBRARY(fused_attn, m) {
   m.def(
       "flash_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, float dropout_p=0., "
-      "Tensor? dropout_rng=None) -> Tensor");
+      "Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
+      "float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
   m.def(
       "flash_backward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor out, Tensor lse, "
       "Tensor grad_out, Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, "
-      "Tensor(b!)? grad_mask=None) -> (Tensor, Tensor, Tensor)");
+      "Tensor(b!)? grad_mask=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
+      "float softcap=0., Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
 }

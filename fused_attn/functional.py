@@ -11,6 +11,7 @@ from . import ops
 from .backends import reference, registry
 from .dropout import Dropout, next_rng
 from .problem import Problem
+from .scores import causal_bias_variant, variant_of
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -113,17 +114,24 @@ def _check_generator(generator, query) -> None:
 
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
-            backend, seq_first, generator=None):
+            backend, seq_first, generator=None, causal_alignment="top_left", window_size=None, softcap=None,
+            alibi_slopes=None):
     """Checks everything, then runs the chosen backend. Returns (out (B, H_q, L_q, D_v), lse)."""
     _check_inputs(query, key, value, enable_gqa)
     _check_options(dropout_p, scale, is_causal)
     _check_generator(generator, query)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected None or a backend name, got {type(backend).__name__}")
+    bias_alignment = causal_bias_variant(attn_mask, query, key)
+    if bias_alignment is not None:  # PyTorch's CausalBias: causal masking, run in-kernel
+        if is_causal:
+            raise ValueError("attn_mask: a CausalBias already makes the call causal; pass is_causal=False")
+        attn_mask, is_causal, causal_alignment = None, True, bias_alignment
+    variant = variant_of(query, causal_alignment, window_size, softcap, alibi_slopes)
     mask = _mask_view(attn_mask, query, key)
     _check_key_padding_mask(key_padding_mask, query, key)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    problem = Problem.of(query, key, value, mask, key_padding_mask, is_causal, float(dropout_p))
+    problem = Problem.of(query, key, value, mask, key_padding_mask, is_causal, float(dropout_p), variant)
     chosen = registry.choose(problem, backend)
     # Drawn whichever backend runs, so that a generator state gives the same dropped elements on all.
     dropout = Dropout(float(dropout_p), next_rng(query.device, generator)) if dropout_p > 0.0 else None
@@ -131,10 +139,11 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     # it does for empty problems, where there is nothing for a kernel to do.
     if chosen.name == reference.ReferenceBackend.name and (
             dropout is not None or problem.mask_requires_grad or query.numel() == 0 or key.numel() == 0):
-        return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale, dropout)
+        return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale, dropout,
+                                   variant=variant)
     _refuse_forward_mode_ad(query=query, key=key, value=value, attn_mask=mask)
     return ops.attention(query, key, value, mask, key_padding_mask, is_causal, scale, float(dropout_p),
-                         None if dropout is None else dropout.rng, seq_first, chosen.name)
+                         None if dropout is None else dropout.rng, seq_first, chosen.name, variant)
 
 
 def _refuse_forward_mode_ad(**tensors) -> None:
@@ -148,7 +157,8 @@ def _refuse_forward_mode_ad(**tensors) -> None:
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, *, key_padding_mask=None, return_lse=False, backend=None, generator=None):
+              enable_gqa=False, *, key_padding_mask=None, return_lse=False, backend=None, generator=None,
+              causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None):
     """Exact attention, softmax(Q Kᵀ · scale + mask) V, call-compatible with
     `torch.nn.functional.scaled_dot_product_attention`.
 
@@ -157,13 +167,23 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         key: (B, H_kv, L_k, D_qk), any strides; H_kv == H_q unless `enable_gqa`.
         value: (B, H_kv, L_k, D_v), any strides.
         attn_mask: bool (True = attend) or additive, of query's dtype, broadcastable to
-            (B, H_q, L_q, L_k).
+            (B, H_q, L_q, L_k); or one of PyTorch's `torch.nn.attention.bias.CausalBias` objects
+            (`causal_upper_left`, `causal_lower_right`), which run as `is_causal` with their
+            alignment, without a mask in memory.
         dropout_p: dropout on the attention weights (applied whenever > 0, as in SDPA): kept weights
             are scaled by 1 / (1 - dropout_p). Which elements are dropped depends only on the
             generator's state and the element's (b, h, i, j), the same on every backend
             (`fused_attn.dropout`; `fused_attn.testing.dropout_mask` gives the mask of a call).
         generator: the torch.Generator dropout draws from (default: that of the tensors' device).
-        is_causal: query i sees keys j <= i (top-left aligned); may be combined with masks.
+        is_causal: query i sees keys j <= i + offset; may be combined with masks and a window.
+        causal_alignment: "top_left" (offset 0, SDPA's meaning) or "bottom_right" (offset
+            L_k - L_q, flash-attn's: the last query sits on the last key). It also places the
+            window and ALiBi's distances.
+        window_size: (left, right), as flash-attn: query i sees key j iff
+            -left <= j - (i + offset) <= right; -1 or None leaves a side unbounded. Key blocks
+            outside the window are never visited.
+        softcap: c > 0 caps each scaled score s at c · tanh(s / c), before masks and ALiBi.
+        alibi_slopes: float32 (H_q,) or (B, H_q): adds -slope · |i + offset - j| to the scores.
         scale: defaults to 1 / sqrt(D_qk).
         enable_gqa: allow H_q to be a multiple of H_kv (grouped-query attention).
         key_padding_mask: bool (B, L_k), True = ignore that key (as nn.MultiheadAttention).
@@ -176,7 +196,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         no key gives 0 and lse -inf.
     """
     out, lse = _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                       key_padding_mask, backend, seq_first=False, generator=generator)
+                       key_padding_mask, backend, seq_first=False, generator=generator,
+                       causal_alignment=causal_alignment, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -192,7 +214,8 @@ def _split_heads(name: str, tensor, heads: int, batch_first: bool):
 
 def split_heads_attention(query, key, value, num_heads, attn_mask=None, dropout_p=0.0, is_causal=False,
                           scale=None, *, num_kv_heads=None, key_padding_mask=None, batch_first=True,
-                          return_lse=False, backend=None, generator=None):
+                          return_lse=False, backend=None, generator=None, causal_alignment="top_left",
+                          window_size=None, softcap=None, alibi_slopes=None):
     """Multi-head attention on unsplit (B, L, E) tensors: split heads, attend, merge heads, fused.
 
     The heads are read through strides (the three slices of one packed (B, L, 3E) projection work
@@ -218,7 +241,9 @@ def split_heads_attention(query, key, value, num_heads, attn_mask=None, dropout_
     k = _split_heads("key", key, num_kv_heads, batch_first)
     v = _split_heads("value", value, num_kv_heads, batch_first)
     out, lse = _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, num_kv_heads != num_heads,
-                       key_padding_mask, backend, seq_first=not batch_first, generator=generator)
+                       key_padding_mask, backend, seq_first=not batch_first, generator=generator,
+                       causal_alignment=causal_alignment, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes)
     merged = out.transpose(1, 2) if batch_first else out.permute(2, 0, 1, 3)
     merged = merged.reshape(*merged.shape[:2], -1)
     return (merged, lse) if return_lse else merged

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from .backends import registry
 from .dropout import Dropout, check_rng
 from .problem import lse_dtype, output_like
+from .scores import from_op_args
 
 
 def _dropout(dropout_p: float, dropout_rng: Optional[Tensor], query: Tensor) -> Optional[Dropout]:
@@ -29,23 +30,29 @@ def _dropout(dropout_p: float, dropout_rng: Optional[Tensor], query: Tensor) -> 
 
 
 def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
-             seq_first, backend):
+             seq_first, backend, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0,
+             alibi_slopes=None):
     out = output_like(query, value.shape[-1], seq_first)
+    variant = from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes)
     lse = registry.get(backend).forward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                        scale, out, _dropout(dropout_p, dropout_rng, query))
+                                        scale, out, _dropout(dropout_p, dropout_rng, query), variant)
     return out, lse
 
 
 @torch.library.custom_op("fused_attn::attention_fwd", mutates_args=())
 def attention_fwd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                   key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, dropout_p: float,
-                  dropout_rng: Optional[Tensor], seq_first: bool, backend: str) -> tuple[Tensor, Tensor]:
+                  dropout_rng: Optional[Tensor], seq_first: bool, backend: str, window_left: int = -1,
+                  window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
+                  alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(B, H_q, L_q, D_v) output, laid out as in `output_like`, and its log-sum-exp (B, H_q, L_q).
 
     `dropout_rng` is the call's (seed, offset), int64 (2,) (fused_attn.dropout), when dropout_p > 0.
+    The last five arguments are the call's fused_attn.scores.ScoreVariant (`op_args`).
     """
     return _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                    dropout_rng, seq_first, backend)
+                    dropout_rng, seq_first, backend, window_left, window_right, bottom_right, softcap,
+                    alibi_slopes)
 
 
 def needs_op(*tensors: Optional[Tensor]) -> bool:
@@ -60,18 +67,19 @@ def needs_op(*tensors: Optional[Tensor]) -> bool:
 
 
 def attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
-              seq_first, backend):
+              seq_first, backend, variant):
     """`attention_fwd`, called as the op where `needs_op`, else as its body: same result."""
     args = (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
-            seq_first, backend)
-    if needs_op(query, key, value, attn_mask, key_padding_mask):
+            seq_first, backend, *variant.op_args())
+    if needs_op(query, key, value, attn_mask, key_padding_mask, variant.alibi_slopes):
         return attention_fwd(*args)
     return _forward(*args)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
-                        dropout_rng, seq_first, backend):
+                        dropout_rng, seq_first, backend, window_left=-1, window_right=-1, bottom_right=False,
+                        softcap=0.0, alibi_slopes=None):
     out = output_like(query, value.shape[-1], seq_first)
     lse = query.new_empty(query.shape[:-1], dtype=lse_dtype(query.dtype))
     return out, lse
@@ -81,15 +89,18 @@ def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causa
 def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key: Tensor,
                   value: Tensor, out: Tensor, lse: Tensor, attn_mask: Optional[Tensor],
                   key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, dropout_p: float,
-                  dropout_rng: Optional[Tensor], backend: str,
-                  mask_grad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  dropout_rng: Optional[Tensor], backend: str, mask_grad: bool = False,
+                  window_left: int = -1, window_right: int = -1, bottom_right: bool = False,
+                  softcap: float = 0.0,
+                  alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients with respect to query, key, value and, with `mask_grad`, the (additive) mask as the
     kernels see it, (B, H_q, L_q, L_k); without, an empty tensor in its place."""
     grad_mask = _new_grad_mask(query, attn_mask, mask_grad)
+    variant = from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes)
     grads = registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
                                            scale, out, lse, grad_out, grad_lse,
                                            _dropout(dropout_p, dropout_rng, query),
-                                           grad_mask if mask_grad else None)
+                                           grad_mask if mask_grad else None, variant)
     return (*grads, grad_mask)
 
 
@@ -103,29 +114,32 @@ def _new_grad_mask(query: Tensor, attn_mask: Optional[Tensor], mask_grad: bool) 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
-                        is_causal, scale, dropout_p, dropout_rng, backend, mask_grad=False):
+                        is_causal, scale, dropout_p, dropout_rng, backend, mask_grad=False, window_left=-1,
+                        window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
             _new_grad_mask(query, attn_mask, mask_grad))
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng, _, backend = inputs
+    (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng, _, backend,
+     window_left, window_right, bottom_right, softcap, alibi_slopes) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng)
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng, alibi_slopes)
     ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
+    ctx.variant_args = (window_left, window_right, bottom_right, softcap)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng = ctx.saved_tensors
+    query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng, alibi_slopes = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     mask_grad = bool(ctx.needs_input_grad[3])
     grad_query, grad_key, grad_value, grad_mask = attention_bwd(
         grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal,
-        ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, mask_grad)
+        ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, mask_grad, *ctx.variant_args, alibi_slopes)
     return (grad_query, grad_key, grad_value, grad_mask if mask_grad else None,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 
+from .scores import PLAIN, ScoreVariant
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -39,9 +41,11 @@ class Problem:
     mask_dtype: torch.dtype | None
     mask_requires_grad: bool
     has_key_padding_mask: bool
+    score_features: tuple[str, ...] = ()  # what the call's ScoreVariant asks (fused_attn.scores.FEATURES)
 
     @classmethod
-    def of(cls, query, key, value, attn_mask, key_padding_mask, is_causal, dropout_p) -> "Problem":
+    def of(cls, query, key, value, attn_mask, key_padding_mask, is_causal, dropout_p,
+           variant: ScoreVariant = PLAIN) -> "Problem":
         batch, heads_q, len_q, head_dim_qk = query.shape
         _, heads_kv, len_k, head_dim_v = value.shape
         return cls(
@@ -59,6 +63,7 @@ class Problem:
             mask_dtype=None if attn_mask is None else attn_mask.dtype,
             mask_requires_grad=attn_mask is not None and attn_mask.requires_grad,
             has_key_padding_mask=key_padding_mask is not None,
+            score_features=variant.features(is_causal),
         )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from .backends import reference
 from .dropout import Dropout, keep_mask, peek_rng
+from .scores import PLAIN, ScoreVariant, variant_of
 
 # Floors, relative to the largest magnitude of the float64 result (at least 1).
 ERROR_FLOOR = {
@@ -100,11 +101,13 @@ def dropout_mask(dropout_p: float, batch: int, heads: int, len_q: int, len_k: in
 
 def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask=None,
                       key_padding_mask=None, is_causal=False, scale=None, grad_lse=None,
-                      dropout: Dropout | None = None, mask_grad: bool = False) -> Results:
+                      dropout: Dropout | None = None, mask_grad: bool = False,
+                      variant: ScoreVariant = PLAIN) -> Results:
     """The einsum reference, on the CPU, in `dtype` (default the inputs'), with autograd gradients
     through the output (by `grad_out`) and, given `grad_lse`, through the log-sum-exp too; with
     `dropout`, dropping exactly the elements a fused backend drops for the same (seed, offset); with
-    `mask_grad`, also the gradient of the additive `attn_mask`, in its own (broadcast) shape.
+    `mask_grad`, also the gradient of the additive `attn_mask`, in its own (broadcast) shape; with
+    `variant`, the score variant of fused_attn.scores.
 
     Masks are in `attention`'s convention (bool True = attend; additive of query's dtype, which is
     converted to `dtype`). H_q may be a multiple of H_kv.
@@ -123,7 +126,9 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
     padding = None if key_padding_mask is None else key_padding_mask.cpu()
     if dropout is not None:
         dropout = Dropout(dropout.p, dropout.rng.cpu())
-    out, lse = reference.attention(q, k, v, mask, padding, is_causal, scale, dropout)
+    if variant.alibi_slopes is not None:
+        variant = dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes.cpu())
+    out, lse = reference.attention(q, k, v, mask, padding, is_causal, scale, dropout, variant=variant)
     results = Results(out.detach(), lse.detach())
     if wants_grad:
         outputs, grads_in = [out], [grad_out.detach().to("cpu", dtype)]
@@ -224,6 +229,11 @@ class Case:
     lse_grad: bool = False           # a gradient flows into the returned log-sum-exp
     dropout_p: float = 0.0
     mask_grad: bool = False          # the (additive) mask requires grad: a learned bias
+    # The score variant (fused_attn.scores).
+    causal_alignment: str = "top_left"
+    window: tuple[int, int] | None = None  # window_size=(left, right)
+    softcap: float = 0.0
+    alibi: str | None = None         # ALiBi slopes of shape "heads" (H_q,) or "batch" (B, H_q)
 
     @property
     def value_dim(self) -> int:
@@ -289,6 +299,17 @@ class Inputs:
     attn_mask: torch.Tensor | None        # broadcastable to (B, H_q, L_q, L_k)
     key_padding_mask: torch.Tensor | None  # (B, L_k), True = ignore
     dropout_seed: int = 0                  # seeds the generator that dropout draws from
+    alibi_slopes: torch.Tensor | None = None  # (H_q,) or (B, H_q) float32
+
+    def variant_keywords(self) -> dict:
+        """The score variant as `attention`'s keywords."""
+        case = self.case
+        return dict(causal_alignment=case.causal_alignment, window_size=case.window,
+                    softcap=case.softcap or None, alibi_slopes=self.alibi_slopes)
+
+    def variant(self) -> ScoreVariant:
+        """The ScoreVariant the call makes of `variant_keywords()`."""
+        return variant_of(self.query, **self.variant_keywords())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -346,7 +367,11 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
         grad_lse = torch.randn(case.batch, case.len_q, case.heads_q, generator=generator).to(device)
         grad_lse = grad_lse.permute(0, 2, 1)
     dropout_seed = int(torch.randint(0, 2 ** 62, (), generator=generator))
-    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding, dropout_seed)
+    slopes = None
+    if case.alibi is not None:  # (H_q, B) storage, so a (B, H_q) view has no unit stride
+        slopes = (torch.rand(case.heads_q, case.batch, generator=generator) * 0.5).to(device).t()
+        slopes = slopes[0] if case.alibi == "heads" else slopes
+    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding, dropout_seed, slopes)
 
 
 def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
@@ -358,7 +383,7 @@ def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
                              attn_mask=mask, key_padding_mask=inputs.key_padding_mask,
                              is_causal=inputs.case.is_causal, scale=inputs.case.scale,
                              grad_lse=inputs.grad_lse, dropout=inputs.dropout(),
-                             mask_grad=inputs.case.mask_grad)
+                             mask_grad=inputs.case.mask_grad, variant=inputs.variant())
 
 
 def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, float]]:
@@ -385,11 +410,12 @@ def run_backend(backend, inputs: Inputs, out_layout: str | None = None) -> Resul
     mask = inputs.mask_view()
     out = inputs.out if out_layout is None else poisoned_output(q, case.value_dim, out_layout)
     dropout = inputs.dropout()
+    variant = inputs.variant()
     lse = backend.forward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale, out,
-                          dropout)
+                          dropout, variant)
     grad_mask = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if case.mask_grad else None
     dq, dk, dv = backend.backward(q, k, v, mask, inputs.key_padding_mask, case.is_causal, case.softmax_scale,
-                                  out, lse, inputs.grad_out, inputs.grad_lse, dropout, grad_mask)
+                                  out, lse, inputs.grad_out, inputs.grad_lse, dropout, grad_mask, variant)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
     if grad_mask is not None:
@@ -410,7 +436,7 @@ def run_attention(inputs: Inputs, backend: str) -> Results:
     out, lse = attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
                          enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=inputs.key_padding_mask,
                          return_lse=True, backend=backend, dropout_p=case.dropout_p,
-                         generator=inputs.dropout_generator())
+                         generator=inputs.dropout_generator(), **inputs.variant_keywords())
     outputs, grads_in = [out], [inputs.grad_out]
     if inputs.grad_lse is not None:
         outputs.append(lse)

@@ -346,12 +346,58 @@ def test_training_gradients_deterministic_across_thread_counts(generator, small_
         assert torch.equal(value, single.named()[name]), name
 
 
+# The score variants (fused_attn.scores), drawn together with each other and with the other features.
+VARIANT_CASES = {
+    "window_causal_bottom_right_gqa": testing.Case(len_q=45, len_k=100, heads_q=4, heads_kv=2, is_causal=True,
+                                                   causal_alignment="bottom_right", window=(30, -1)),
+    "window_both_sides_dropout_padding": testing.Case(len_q=70, len_k=70, window=(9, 13), dropout_p=0.3,
+                                                      key_padding=True, lse_grad=True),
+    "bottom_right_more_queries_than_keys": testing.Case(len_q=60, len_k=25, is_causal=True,
+                                                        causal_alignment="bottom_right", dim_qk=24, dim_v=8),
+    "softcap_alibi_additive": testing.Case(softcap=2.5, alibi="heads", mask="additive", mask_shape="heads_keys",
+                                           mask_layout="transposed", len_q=33, len_k=57),
+    "softcap_learned_bias_window": testing.Case(softcap=4.0, mask="additive", mask_grad=True, window=(5, 20),
+                                                len_q=37, len_k=41),
+    "alibi_batch_bottom_right_bool_mask": testing.Case(alibi="batch", causal_alignment="bottom_right",
+                                                       mask="bool", mask_shape="batch", is_causal=True,
+                                                       len_q=29, len_k=64, lse_grad=True),
+    "everything": testing.Case(heads_q=4, heads_kv=1, len_q=50, len_k=90, is_causal=True,
+                               causal_alignment="bottom_right", window=(40, 3), softcap=3.0, alibi="batch",
+                               mask="additive", mask_grad=True, mask_shape="2d", key_padding=True,
+                               dropout_p=0.2, lse_grad=True, dim_qk=20),
+    "window_hides_rows": testing.Case(len_q=40, len_k=30, window=(0, 0), causal_alignment="top_left",
+                                      hidden_rows=True, mask="bool", key_padding=True),
+}
+
+
+@pytest.mark.parametrize("rotation", [0, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_score_variants_meet_criterion(generator, small_blocks, name, dtype, rotation):
+    """Windows, bottom-right alignment, softcap and ALiBi with masks, dropout, GQA and learned biases,
+    through `attention` and autograd, against the float64 reference that materialises each of them."""
+    inputs = testing.random_inputs(VARIANT_CASES[name], dtype, rotation, generator)
+    testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
+@pytest.mark.parametrize("block_k", ["7", "64", "512"])
+def test_windows_across_block_sizes(generator, monkeypatch, block_k):
+    """Windows narrower and wider than a key block, and bottom-right rows that start mid-block."""
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", block_k)
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_Q", "8")
+    for window in ((3, 0), (70, 70), (0, 45)):
+        case = testing.Case(len_q=90, len_k=150, window=window, causal_alignment="bottom_right", alibi="heads")
+        inputs = testing.random_inputs(case, torch.float32, 2, generator)
+        testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
 def test_refusals():
     backend = registry.get("cpu")
     q = torch.empty(1, 1, 2, 4, device="meta")
     problem = fused_attn.problem.Problem.of(q, q, q, None, None, False, 0.1)
     assert backend.refusals(problem) == ["runs on CPU tensors only, got device meta"]
     assert backend.devices == ("cpu",) and backend.takes_dropout and backend.takes_mask_gradient
+    assert backend.takes_score_variants == {"bottom_right", "window", "softcap", "alibi"}
 
 
 SHARED = torch.randn(2, 4, 6, 8)

@@ -20,6 +20,7 @@ import fused_attn
 from fused_attn import testing
 from fused_attn.backends import registry
 from fused_attn.backends.extension import dropout_args
+from fused_attn.scores import PLAIN
 
 BUILD = pathlib.Path(__file__).resolve().parent / "emulation" / "build.py"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -83,6 +84,21 @@ TRAINING_CASES = {
     "mask_grad_hidden_rows": Case(mask="additive", mask_shape="batch", mask_grad=True, hidden_rows=True,
                                   dropout_p=0.4),
 }
+# The score variants (fused_attn.scores), with each other and with the features above.
+VARIANT_CASES = {
+    "window_causal_bottom_right_gqa": Case(len_q=23, len_k=75, heads_q=4, heads_kv=2, is_causal=True,
+                                           causal_alignment="bottom_right", window=(19, -1), dim_qk=32),
+    "window_both_sides_dropout_padding": Case(len_q=70, len_k=70, window=(5, 11), dropout_p=0.3,
+                                              key_padding=True, lse_grad=True),
+    "bottom_right_more_queries_than_keys": Case(len_q=50, len_k=19, is_causal=True,
+                                                causal_alignment="bottom_right", dim_qk=24, dim_v=8),
+    "softcap_alibi_learned_bias": Case(softcap=2.5, alibi="heads", mask="additive", mask_grad=True,
+                                       mask_shape="heads_keys", mask_layout="transposed", len_q=21, len_k=35),
+    "everything": Case(heads_q=4, heads_kv=1, len_q=30, len_k=50, is_causal=True, causal_alignment="bottom_right",
+                       window=(20, 3), softcap=3.0, alibi="batch", mask="additive", mask_grad=True, mask_shape="2d",
+                       key_padding=True, dropout_p=0.2, lse_grad=True, dim_qk=20),
+    "window_hides_rows": Case(len_q=40, len_k=30, window=(0, 0), hidden_rows=True, mask="bool", key_padding=True),
+}
 # Rotations of the tensor layouts: two by default, the other three marked slow.
 ROTATIONS = [rotation if rotation in (0, 2) else pytest.param(rotation, marks=pytest.mark.slow)
              for rotation in range(len(LAYOUTS))]
@@ -95,14 +111,17 @@ class EmulatedBackend:
     def __init__(self, module):
         self.module = module
 
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
+                variant=PLAIN):
+        registry.get("cuda").check_variant(variant, is_causal)
         return self.module.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-                                   *dropout_args(dropout))
+                                   *dropout_args(dropout), *variant.op_args())
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-                 grad_lse, dropout=None, grad_mask=None):
+                 grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
+        registry.get("cuda").check_variant(variant, is_causal)
         return self.module.backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                                    grad_out, grad_lse, *dropout_args(dropout), grad_mask)
+                                    grad_out, grad_lse, *dropout_args(dropout), grad_mask, *variant.op_args())
 
 
 def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
@@ -161,9 +180,11 @@ def test_emulated_training_backward_is_deterministic(emulated, dtype, generator)
 
 @pytest.mark.emulated_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(LARGE_HEAD_CASES))
-def test_emulated_large_head_dims(emulated, name, dtype, generator):
-    inputs = testing.random_inputs(LARGE_HEAD_CASES[name], dtype, 1, generator)
+@pytest.mark.parametrize("name", [*LARGE_HEAD_CASES, *VARIANT_CASES])
+def test_emulated_large_heads_and_score_variants(emulated, name, dtype, generator):
+    """Head dims 128 and 256; windows, bottom-right alignment, softcap and ALiBi drawn together with
+    the other features."""
+    inputs = testing.random_inputs({**LARGE_HEAD_CASES, **VARIANT_CASES}[name], dtype, 1, generator)
     testing.check_inputs(run_emulated(emulated, inputs), inputs)
 
 
@@ -344,6 +365,15 @@ def test_cuda_matches_reference(name, dtype, rotation, generator):
 @pytest.mark.parametrize("name", list(TRAINING_CASES))
 def test_cuda_dropout_and_mask_gradient(name, dtype, rotation, generator):
     inputs = testing.random_inputs(TRAINING_CASES[name], dtype, rotation, generator, "cuda")
+    testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rotation", range(len(LAYOUTS)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_cuda_score_variants(name, dtype, rotation, generator):
+    inputs = testing.random_inputs(VARIANT_CASES[name], dtype, rotation, generator, "cuda")
     testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
 
 

@@ -107,6 +107,23 @@ CASES = {
     "mask_grad_2d_padding_lse": Case(mask="additive", mask_shape="2d", mask_grad=True, key_padding=True,
                                      lse_grad=True, mask_layout="sliced"),
     "mask_grad_hidden_rows": Case(mask="additive", mask_shape="batch", mask_grad=True, hidden_rows=True),
+    # The score variants (fused_attn.scores), together with each other and the features above.
+    "window_causal_bottom_right_gqa": Case(len_q=23, len_k=57, heads_q=4, heads_kv=2, is_causal=True,
+                                           causal_alignment="bottom_right", window=(19, -1)),
+    "window_both_sides_dropout_padding": Case(len_q=45, len_k=45, window=(5, 11), dropout_p=0.3,
+                                              key_padding=True, lse_grad=True),
+    "bottom_right_more_queries_than_keys": Case(len_q=50, len_k=19, is_causal=True,
+                                                causal_alignment="bottom_right", dim_qk=24, dim_v=8),
+    "softcap_alibi_additive": Case(softcap=2.5, alibi="heads", mask="additive", mask_shape="heads_keys",
+                                   mask_layout="transposed", len_q=21, len_k=35),
+    "softcap_learned_bias_window": Case(softcap=4.0, mask="additive", mask_grad=True, window=(5, 20),
+                                        len_q=29, len_k=37),
+    "everything": Case(heads_q=4, heads_kv=1, len_q=30, len_k=50, is_causal=True,
+                       causal_alignment="bottom_right", window=(20, 3), softcap=3.0, alibi="batch",
+                       mask="additive", mask_grad=True, mask_shape="2d", key_padding=True, dropout_p=0.2,
+                       lse_grad=True, dim_qk=20),
+    "window_hides_rows": Case(len_q=40, len_k=30, window=(0, 0), hidden_rows=True, mask="bool",
+                              key_padding=True),
 }
 
 # Each rotation gives q, k, v, out and grad_out five different layouts, and across the rotations

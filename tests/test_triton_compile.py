@@ -1,13 +1,13 @@
 """Static GPU check of the `triton` backend, without a GPU.
 
 Every kernel is compiled at its default configs for sm_80 and sm_90 by Triton's own compiler (fp16 and
-bf16, head dims 64 and 128, causal and not, causal with dropout, dK/dV also with a learned bias's
-gradient; see bench/triton_report.py), and its cubin is read back
+bf16, head dims 64 and 128, causal and not, causal with dropout, causal with every score variant,
+dK/dV also with a learned bias's gradient; see bench/triton_report.py), and its cubin is read back
 with cuobjdump: it compiles, nothing spills (no local loads/stores in the SASS, no stack), the matrix
 products run on tensor cores (HMMA on sm_80, HGMMA on sm_90), and shared memory fits the device
 (163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows of `python -m bench.inspect --json`,
-run once per test session (the `static_gpu_report` fixture of conftest.py; 88 Triton compilations,
-about 100 s on this 2-core machine, plus the CUDA report that tests/test_cuda_compile.py reads).
+run once per test session (the `static_gpu_report` fixture of conftest.py; 120 Triton compilations,
+about 140 s on this 2-core machine, plus the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ except gpu_binaries.ToolMissing as missing:
     pytestmark = pytest.mark.skip(reason=str(missing))
 
 COMBINATIONS = [
-    (kernel, target, dtype, head_dim, causal, dropout, bias_grad)
+    (kernel, target, dtype, head_dim, *variant)
     for kernel, target, dtype, head_dim in itertools.product(
         triton_report.KERNELS, triton_report.TARGETS, triton_report.DTYPES, triton_report.HEAD_DIMS)
-    for causal, dropout, bias_grad in triton_report.variants(kernel)
+    for variant in triton_report.variants(kernel)
 ]
-KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "dropout", "bias_grad", "config", "registers",
+KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "dropout", "bias_grad", "scores", "config",
+        "registers",
         "spill_bytes", "stack_bytes", "shared_bytes", "tensor_core_instructions", "fits", "problems"}
 
 
@@ -43,7 +44,7 @@ def rows(static_gpu_report):
     found = {}
     for row in static_gpu_report.of("triton"):
         found[tuple(row[key] for key in ("kernel", "target", "dtype", "head_dim", "causal", "dropout",
-                                         "bias_grad"))] = row
+                                         "bias_grad", "scores"))] = row
     return found
 
 
@@ -98,10 +99,11 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
     """The autotuner prunes candidates by `shared_memory_estimate`; it must not undercount."""
     from fused_attn.backends import triton_kernels as tk
 
-    for (kernel, target, dtype, head_dim, causal, dropout, bias_grad), row in rows.items():
+    for (kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores), row in rows.items():
         if kernel not in triton_report.MATMUL_KERNELS:
             continue
         config = tk.default_config(kernel, target, head_dim, 2, dict(HAS_DROPOUT=dropout, HAS_MASK_GRAD=bias_grad))
         assert str(config) == row["config"]
         estimate = tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2, dropout)
-        assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad)
+        assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,
+                                                 scores)

@@ -91,7 +91,7 @@ Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, 
   p.query = view_of(query);
   p.key = view_of(key);
   p.value = view_of(value);
-  p.causal = is_causal;
+  p.window_right = is_causal ? 0 : -1;
   p.scale = scale;
   if (attn_mask.has_value() && attn_mask->defined()) {
     const at::Tensor& mask = *attn_mask;
@@ -127,6 +127,25 @@ fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
   d.threshold = fused_attn::dropout_threshold(dropout_p);
   d.keep_scale = 1.0 / (1.0 - dropout_p);
   return d;
+}
+
+// The call's score variant (fused_attn/scores.py) on top of what `describe` set: the window's bounds
+// (is_causal has made the right one 0), the diagonal, the softcap and the ALiBi slopes.
+void describe_variant(const char* op, Params& p, int64_t window_left, int64_t window_right, bool bottom_right,
+                      double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, op,
+              ": window_left, window_right: expected -1 (unbounded) or a bound >= 0, got ", window_left, " and ",
+              window_right);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, op, ": softcap: expected a finite number >= 0, got ",
+              softcap);
+  p.window_left = window_left;
+  if (window_right != -1) p.window_right = p.window_right == -1 ? window_right : std::min(p.window_right, window_right);
+  p.diagonal = bottom_right ? p.len_k - p.len_q : 0;
+  p.softcap = softcap;
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    check_tensor(op, "alibi_slopes", *alibi_slopes, 2, {p.batch, p.heads_q}, at::kFloat);
+    p.alibi = view_of(*alibi_slopes);
+  }
 }
 
 // Block sizes and the product, with environment overrides for benchmarking:
@@ -211,10 +230,12 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                          double scale, const at::Tensor& out, double dropout_p,
-                         const std::optional<at::Tensor>& dropout_rng) {
+                         const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
+                         bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const char* op = "flash_forward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
+  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
   fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key}, {"value", &value}});
   p.out = view_of(out);
@@ -231,10 +252,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
-    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask) {
+    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
   const char* op = "flash_backward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
+  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes);
   const auto dtype = query.scalar_type();
   const auto stat_dtype = lse_dtype(dtype);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, dtype);

@@ -315,22 +315,59 @@ acc_t row_max_of(const acc_t* s, int64_t n) {
 }
 
 // Whether the scores need nothing but the scale, which the exp can then apply (a positive scale
-// keeps the row max of the unscaled scores).
+// keeps the row max of the unscaled scores). A window needs nothing per score: it only narrows the
+// keys a row visits (visible_keys).
 inline bool scores_are_plain(const Params& p) {
-  return p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && p.scale > 0;
+  return p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && p.scale > 0 && p.softcap == 0.0 &&
+         p.alibi.data == nullptr;
 }
 
-// Scaled, masked scores of one row: s[j] = s[j]*scale (+ bias, or -inf where hidden), j < n.
-// Returns the row maximum.
+// The keys query qi sees, [first, end), from the window and the diagonal (fused_attn/scores.py); the
+// masks may hide more of them. Both bounds grow with qi, so rows [q0, q1] see keys within
+// [visible_keys(q0).first, visible_keys(q1).end).
+struct KeyRange {
+  int64_t first, end;
+};
+
+inline KeyRange visible_keys(const Params& p, int64_t qi) {
+  const int64_t diagonal = qi + p.diagonal;
+  const int64_t first = p.window_left < 0 ? 0 : std::clamp<int64_t>(diagonal - p.window_left, 0, p.len_k);
+  const int64_t end = p.window_right < 0 ? p.len_k : std::clamp<int64_t>(diagonal + p.window_right + 1, 0, p.len_k);
+  return {first, std::max(first, end)};
+}
+
+// The queries that see some key of [k_first, k_end) through the window: [first, end).
+inline KeyRange queries_seeing(const Params& p, int64_t k_first, int64_t k_end) {
+  // Query i sees key j iff i >= j - diagonal - right and i <= j - diagonal + left.
+  const int64_t first =
+      p.window_right < 0 ? 0 : std::clamp<int64_t>(k_first - p.diagonal - p.window_right, 0, p.len_q);
+  const int64_t end =
+      p.window_left < 0 ? p.len_q : std::clamp<int64_t>(k_end - p.diagonal + p.window_left, 0, p.len_q);
+  return {first, std::max(first, end)};
+}
+
+// Scores of one row, keys k0 .. k0 + n, as the softmax takes them (fused_attn/scores.py):
+// s[j] = cap(s[j] * scale) + additive mask - slope * |qi + diagonal - key|, or -inf where hidden.
+// With `cap_grad`, also the derivative of the cap there, 1 - tanh², for the backward. Returns the
+// row maximum.
 template <typename acc_t, typename scalar_t>
 acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t b, int64_t h,
-                     int64_t qi, int64_t k0) {
+                     int64_t qi, int64_t k0, acc_t* cap_grad = nullptr) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   const V vscale(scale);
   int64_t j = 0;
   for (; j + W <= n; j += W) (V::loadu(s + j) * vscale).store(s + j);
   if (j < n) (V::loadu(s + j, n - j) * vscale).store(s + j, n - j);
+  if (p.softcap > 0.0) {
+    const V cap(static_cast<acc_t>(p.softcap)), inv_cap(acc_t(1) / static_cast<acc_t>(p.softcap)), one(1);
+    for (int64_t i = 0; i < n; i += W) {
+      const int64_t count = std::min<int64_t>(W, n - i);
+      const V t = (V::loadu(s + i, count) * inv_cap).tanh();
+      (cap * t).store(s + i, count);
+      if (cap_grad != nullptr) (one - t * t).store(cap_grad + i, count);
+    }
+  }
   if (p.mask_kind != MaskKind::None) {
     const int64_t step = p.mask.s[3];
     const int64_t offset = b * p.mask.s[0] + h * p.mask.s[1] + qi * p.mask.s[2] + k0 * step;
@@ -342,6 +379,16 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
     } else {
       const scalar_t* row = static_cast<const scalar_t*>(p.mask.data) + offset;
       for (int64_t i = 0; i < n; ++i) s[i] += static_cast<acc_t>(row[i * step]);
+    }
+  }
+  if (p.alibi.data != nullptr) {
+    const V slope(static_cast<const float*>(p.alibi.data)[b * p.alibi.s[0] + h * p.alibi.s[1]]);
+    // Key k0 + i lies qi + diagonal - k0 - i from the query's diagonal.
+    const acc_t distance0 = static_cast<acc_t>(qi + p.diagonal - k0);
+    for (int64_t i = 0; i < n; i += W) {
+      const int64_t count = std::min<int64_t>(W, n - i);
+      const V distance = V::arange(distance0 - static_cast<acc_t>(i), acc_t(-1)).abs();
+      (V::loadu(s + i, count) - slope * distance).store(s + i, count);
     }
   }
   if (p.key_padding.data != nullptr) {
@@ -695,12 +742,11 @@ void forward_impl(const Params& p) {
       std::fill(row_max, row_max + rows, neg_inf<acc_t>());
       std::fill(row_sum, row_sum + rows, acc_t(0));
 
-      // Causal: query i sees keys j <= i, so these rows need keys below c0 + rows only.
-      const int64_t k_end = p.causal ? std::min(Lk, c0 + rows) : Lk;
-      // Every query block meets the key block at 0 first, whose P·V writes the accumulator instead
-      // of adding to it; only without keys is there nothing to write it.
-      if (k_end == 0) std::fill(obuf, obuf + rows * Dv, acc_t(0));
-      for (int64_t k0 = 0; k0 < k_end; k0 += BK) {
+      // The keys these rows see through the window (causal: up to the last row's diagonal); the
+      // others are never visited. A query block may start later, so P·V always accumulates.
+      const int64_t k_begin = visible_keys(p, c0).first, k_end = visible_keys(p, c0 + rows - 1).end;
+      std::fill(obuf, obuf + rows * Dv, acc_t(0));
+      for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
         const int64_t bk = std::min(BK, k_end - k0);
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
@@ -711,46 +757,51 @@ void forward_impl(const Params& p) {
         for (int64_t r0 = 0; r0 < rows; r0 += BQ) {
           const int64_t q0 = c0 + r0;
           const int64_t bq = std::min(BQ, rows - r0);
-          if (p.causal && k0 > q0 + bq - 1) continue;  // no row of this query block sees these keys
-          // Causal: the block's last query sees keys up to its own index, so the products stop there.
-          const int64_t width = p.causal ? std::min(bk, q0 + bq - k0) : bk;
+          const int64_t block_first = visible_keys(p, q0).first, block_end = visible_keys(p, q0 + bq - 1).end;
+          if (block_end <= k0 || block_first >= k0 + bk) continue;  // no row of this block sees these keys
+          // The products stop at the last key the block's last query sees.
+          const int64_t width = std::min(bk, block_end - k0);
           const int64_t width_pad = vnni ? round_up(width, 2) : width;
           gemm<ct, acc_t>(bq, width, Dpad, q_rows + r0 * ldq, ldq, kbuf, bk, sbuf, bk, false, p.use_brgemm);
           for (int64_t r = 0; r < bq; ++r) {
             acc_t* srow = sbuf + r * bk;
             ct* prow = pbuf + r * ldp;
             const int64_t qi = q0 + r;
-            const int64_t visible = p.causal ? std::clamp<int64_t>(qi - k0 + 1, 0, bk) : bk;
-            // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
-            acc_t row_scale = scale;
-            acc_t block_max;
-            if (plain_scores) {
-              block_max = row_max_of(srow, visible) * scale;
-            } else {
-              block_max = prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
-              row_scale = acc_t(1);
-            }
+            // The row's keys in this block: [first, last).
+            const KeyRange seen = visible_keys(p, qi);
+            const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, width);
+            const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
+            const int64_t n = last - first;
             acc_t* m = row_max + r0 + r;
             acc_t* l = row_sum + r0 + r;
+            // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
+            acc_t row_scale = scale;
+            acc_t block_max = neg_inf<acc_t>();
+            if (n > 0 && plain_scores) {
+              block_max = row_max_of(srow + first, n) * scale;
+            } else if (n > 0) {
+              block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
+              row_scale = acc_t(1);
+            }
             const acc_t m_new = std::max(*m, block_max);
             if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
               std::fill(prow, prow + width_pad, ct(0));
               continue;
             }
-            // The first key block has no accumulator to rescale (its product overwrites it); after
-            // that, 0 when the old max is -inf, and an unchanged max skips the exp.
-            const acc_t alpha = k0 == 0 || *m == m_new ? acc_t(1) : std::exp(*m - m_new);
-            const acc_t sum = exp_row(srow, visible, row_scale, m_new, prow);
-            std::fill(prow + visible, prow + width_pad, ct(0));
+            // 0 when the old max is -inf (the accumulator is still 0); an unchanged max skips the exp.
+            const acc_t alpha = *m == m_new ? acc_t(1) : std::exp(*m - m_new);
+            const acc_t sum = exp_row(srow + first, n, row_scale, m_new, prow + first);
+            std::fill(prow, prow + first, ct(0));
+            std::fill(prow + last, prow + width_pad, ct(0));
             if (p.dropout.enabled) {  // the sum is of the undropped weights; kept ones scale at the end
-              dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0, visible, bits);
-              drop_row(prow, bits, visible, p.dropout.threshold);
+              dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0 + first, n, bits);
+              drop_row(prow + first, bits, n, p.dropout.threshold);
             }
             *l = *l * alpha + sum;
             *m = m_new;
             if (alpha != acc_t(1)) scale_row(obuf + (r0 + r) * Dv, Dv, alpha);
           }
-          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, k0 > 0, p.use_brgemm);
+          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, true, p.use_brgemm);
         }
       }
 
@@ -851,7 +902,7 @@ void backward_impl(const Params& p) {
       2 * Scratch::bytes<ct>(BK * BQpad) + Scratch::bytes<ct>(BQ * BKpad) +
       Scratch::bytes<acc_t>(BK * D) + Scratch::bytes<acc_t>(BK * Dv) +
       Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(BK * BQpad) +
-      (p.dropout.enabled ? Scratch::bytes<uint32_t>(BK) : 0);
+      (p.dropout.enabled ? Scratch::bytes<uint32_t>(BK) : 0) + (p.softcap > 0.0 ? Scratch::bytes<acc_t>(BK) : 0);
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);  // 1 without dropout
   const bool plain_scores = scores_are_plain(p);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
@@ -884,6 +935,7 @@ void backward_impl(const Params& p) {
     acc_t* dq_acc = scratch.take<acc_t>(groups * Lq * D);
     acc_t* tbuf = std::is_same_v<ct, acc_t> ? nullptr : scratch.take<acc_t>(BK * BQpad);
     uint32_t* bits = p.dropout.enabled ? scratch.take<uint32_t>(BK) : nullptr;
+    acc_t* cap_grad = p.softcap > 0.0 ? scratch.take<acc_t>(BK) : nullptr;
 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t hk = item % p.heads_kv;
@@ -903,12 +955,12 @@ void backward_impl(const Params& p) {
         std::fill(dk_acc, dk_acc + bk * D, acc_t(0));
         std::fill(dv_acc, dv_acc + bk * Dv, acc_t(0));
 
+        // Only the queries whose window reaches these keys (causal: from row k0 on) are visited.
+        const KeyRange queries = queries_seeing(p, k0, k0 + bk);
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t h = hk * groups + g;
-          // Causal: rows below k0 see none of these keys; start at the block holding row k0.
-          const int64_t q_start = p.causal ? (k0 / BQ) * BQ : 0;
-          for (int64_t q0 = q_start; q0 < Lq; q0 += BQ) {
-            const int64_t bq = std::min(BQ, Lq - q0);
+          for (int64_t q0 = queries.first; q0 < queries.end; q0 += BQ) {
+            const int64_t bq = std::min(BQ, queries.end - q0);
             const int64_t bqpad = vnni ? round_up(bq, 2) : bq;
             const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + q0 * p.query.s[2];
             const scalar_t* do_ptr =
@@ -931,28 +983,39 @@ void backward_impl(const Params& p) {
               const int64_t qi = q0 + r;
               acc_t* srow = sbuf + r * bk;
               acc_t* dprow = dpbuf + r * bk;
-              const int64_t visible = p.causal ? std::clamp<int64_t>(qi - k0 + 1, 0, bk) : bk;
+              // The row's keys in this block, [first, last); the rest of its P and dS are 0.
+              const KeyRange seen = visible_keys(p, qi);
+              const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, bk);
+              const int64_t last = std::clamp<int64_t>(seen.end - k0, first, bk);
+              const int64_t n = last - first;
+              acc_t* s_seen = srow + first;
+              acc_t* dp_seen = dprow + first;
               acc_t lse = LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]];
               // A row that saw no key has lse -inf; +inf makes every P of it 0.
               if (lse == neg_inf<acc_t>()) lse = std::numeric_limits<acc_t>::infinity();
               const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
               // Scores are scaled inside the exp when nothing else applies; srow then holds P.
-              if (!plain_scores) prepare_scores<acc_t, scalar_t>(srow, visible, scale, p, b, h, qi, k0);
-              exp_row(srow, visible, plain_scores ? scale : acc_t(1), lse, srow);
+              if (!plain_scores) prepare_scores<acc_t, scalar_t>(s_seen, n, scale, p, b, h, qi, k0 + first, cap_grad);
+              exp_row(s_seen, n, plain_scores ? scale : acc_t(1), lse, s_seen);
               // With dropout, O = (Z ∘ P / (1 - p)) V: the gradient of the undropped weights is
               // Z ∘ dP / (1 - p), and dV takes Z ∘ P (scaled by 1 / (1 - p) when stored).
               if (p.dropout.enabled) {
-                dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0, visible, bits);
-                drop_and_scale_row(dprow, bits, visible, p.dropout.threshold, keep_scale);
+                dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0 + first, n, bits);
+                drop_and_scale_row(dp_seen, bits, n, p.dropout.threshold, keep_scale);
               }
-              grad_scores(srow, dprow, visible, d);  // dprow now holds dS
+              grad_scores(s_seen, dp_seen, n, d);  // dprow now holds dS
               if (dMask != nullptr) {  // an additive mask's gradient is dS; hidden keys keep their 0
-                at::vec::convert(dprow, dMask + b * p.grad_mask.s[0] + h * p.grad_mask.s[1] +
-                                            qi * p.grad_mask.s[2] + k0 * p.grad_mask.s[3], visible);
+                at::vec::convert(dp_seen, dMask + b * p.grad_mask.s[0] + h * p.grad_mask.s[1] +
+                                              qi * p.grad_mask.s[2] + (k0 + first) * p.grad_mask.s[3], n);
               }
-              if (p.dropout.enabled) drop_row(srow, bits, visible, p.dropout.threshold);
-              std::fill(srow + visible, srow + bk, acc_t(0));
-              std::fill(dprow + visible, dprow + bk, acc_t(0));
+              if (p.softcap > 0.0) {  // the capped score's gradient times the cap's derivative
+                for (int64_t j = 0; j < n; ++j) dp_seen[j] *= cap_grad[j];
+              }
+              if (p.dropout.enabled) drop_row(s_seen, bits, n, p.dropout.threshold);
+              std::fill(srow, s_seen, acc_t(0));
+              std::fill(dprow, dp_seen, acc_t(0));
+              std::fill(srow + last, srow + bk, acc_t(0));
+              std::fill(dprow + last, dprow + bk, acc_t(0));
             }
             // Pᵀ and dSᵀ (bk × bq, columns bq..bqpad zero), the A operands of dV and dK.
             transpose_tile(pt, bqpad, sbuf, bk, bq, bk, tbuf);

@@ -28,7 +28,12 @@ struct Params {
   MaskKind mask_kind = MaskKind::None;
   View mask;               // (B, H_q, L_q, L_k), stride 0 where it broadcasts
   View key_padding;        // bool (B, L_k) in s[0], s[1]; data null when absent
-  bool causal = false;
+  // The score variant (fused_attn/scores.py). Query i sees keys i + diagonal - window_left through
+  // i + diagonal + window_right (-1: unbounded on that side; is_causal is window_right 0).
+  int64_t window_left = -1, window_right = -1;
+  int64_t diagonal = 0;    // 0 top-left, L_k - L_q bottom-right
+  double softcap = 0.0;    // > 0: scaled scores become softcap * tanh(s / softcap)
+  View alibi;              // float32 slopes (B, H_q) in s[0], s[1], data null when absent
   double scale = 1.0;
   fused_attn::DropoutParams dropout;  // enabled: drop the elements of csrc/dropout.h's stream
   View out;                // (B, H_q, L_q, D_v)

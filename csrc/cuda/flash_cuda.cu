@@ -68,12 +68,16 @@ at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& attn_mask,
                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                         double scale, const at::Tensor& out, double dropout_p,
-                        const std::optional<at::Tensor>& dropout_rng) {
+                        const std::optional<at::Tensor>& dropout_rng, int64_t window_left,
+                        int64_t window_right, bool bottom_right, double softcap,
+                        const std::optional<at::Tensor>& alibi_slopes) {
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, dropout_rng, "dropout_rng");
+  check_device(query, alibi_slopes, "alibi_slopes");
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-                       dropout_p, dropout_rng, launcher_for(query));
+                       dropout_p, dropout_rng, {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                       launcher_for(query));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -81,16 +85,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
-    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask) {
+    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, lse, "lse");
   check_device(query, grad_out, "grad_out");
   check_device(query, grad_lse, "grad_lse");
   check_device(query, dropout_rng, "dropout_rng");
   check_device(query, grad_mask, "grad_mask");
+  check_device(query, alibi_slopes, "alibi_slopes");
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                        grad_out, grad_lse, dropout_p, dropout_rng, grad_mask, launcher_for(query));
+                        grad_out, grad_lse, dropout_p, dropout_rng, grad_mask,
+                        {window_left, window_right, bottom_right, softcap, alibi_slopes}, launcher_for(query));
 }
 
 }  // namespace

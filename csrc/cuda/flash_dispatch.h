@@ -144,8 +144,46 @@ inline AttentionParams attention_params(const at::Tensor& query, const at::Tenso
   p.dim_qk = static_cast<int>(dim_qk);
   p.dim_v = static_cast<int>(dim_v);
   p.scale = static_cast<float>(scale);
-  p.is_causal = is_causal;
+  // Causal until set_variant says more: right bound 0, left unbounded, top-left.
+  p.banded = is_causal;
+  p.diagonal = 0;
+  p.window_left = static_cast<int>(len_q + len_k);
+  p.window_right = is_causal ? 0 : static_cast<int>(len_q + len_k);
+  p.softcap = 0.0f;
+  p.alibi = nullptr;
   return p;
+}
+
+// A call's score variant (fused_attn/scores.py) as the ops receive it.
+struct VariantArgs {
+  int64_t window_left = -1, window_right = -1;  // -1: unbounded
+  bool bottom_right = false;
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes;  // float32 (B, H_q), any strides
+};
+
+// The band, diagonal, softcap and ALiBi slopes of the call into the kernel parameters, on top of the
+// causal band attention_params set.
+inline void set_variant(AttentionParams& p, const VariantArgs& v) {
+  TORCH_CHECK(v.window_left >= -1 && v.window_right >= -1, "fused_attn cuda: window_left and window_right "
+              "must be -1 (unbounded) or >= 0, got ", v.window_left, " and ", v.window_right);
+  TORCH_CHECK(std::isfinite(v.softcap) && v.softcap >= 0.0, "fused_attn cuda: softcap must be a finite "
+              "number >= 0, got ", v.softcap);
+  const int64_t beyond = static_cast<int64_t>(p.len_q) + p.len_k;  // a bound no index pair reaches
+  if (v.window_left != -1) p.window_left = static_cast<int>(std::min(v.window_left, beyond));
+  if (v.window_right != -1) p.window_right = static_cast<int>(std::min<int64_t>(p.window_right, v.window_right));
+  p.banded = p.banded || v.window_left != -1 || v.window_right != -1;
+  p.diagonal = v.bottom_right ? p.len_k - p.len_q : 0;
+  p.softcap = static_cast<float>(v.softcap);
+  if (v.alibi_slopes.has_value() && v.alibi_slopes->defined()) {
+    const at::Tensor& slopes = *v.alibi_slopes;
+    TORCH_CHECK(slopes.scalar_type() == at::kFloat, "fused_attn cuda: alibi_slopes must be float32, got ",
+                slopes.scalar_type());
+    TORCH_CHECK(slopes.dim() == 2, "fused_attn cuda: alibi_slopes must be (B, H_q), got shape ", slopes.sizes());
+    check_shape(slopes, "alibi_slopes", {p.batch, p.heads_q});
+    p.alibi = slopes.data_ptr<float>();
+    copy_strides(slopes, p.alibi_stride);
+  }
 }
 
 // The call's dropout into the kernel parameters: dropout_p in [0, 1) and, when it is above 0, the
@@ -183,10 +221,12 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
                          const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                          double scale, const at::Tensor& out, double dropout_p,
-                         const std::optional<at::Tensor>& dropout_rng, const Launch& launch) {
+                         const std::optional<at::Tensor>& dropout_rng, const VariantArgs& variant,
+                         const Launch& launch) {
   ForwardParams params{};
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   set_dropout(params.attn, dropout_p, dropout_rng);
+  set_variant(params.attn, variant);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
   fused_attn::check_output_memory("flash_forward", "out", out,
@@ -216,10 +256,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
     const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
-    const Launch& launch) {
+    const VariantArgs& variant, const Launch& launch) {
   BackwardParams params{};
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   set_dropout(params.attn, dropout_p, dropout_rng);
+  set_variant(params.attn, variant);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
   check_like_output(grad_out, "grad_out", query, p);

@@ -89,7 +89,13 @@ struct AttentionParams {
   int64_t key_padding_stride[2];
   int batch, heads_q, heads_kv, group, len_q, len_k, dim_qk, dim_v;
   float scale;
-  bool is_causal;
+  // The band (fused_attn/scores.py): with `banded`, query i sees keys i + diagonal - window_left
+  // through i + diagonal + window_right; is_causal is window_right 0, an unbounded side len_q + len_k.
+  bool banded;
+  int diagonal, window_left, window_right;
+  float softcap;              // > 0: scaled scores become softcap * tanh(s / softcap)
+  const float* alibi;         // (B, H_q) slopes, or null: adds -slope * |i + diagonal - j|
+  int64_t alibi_stride[2];
   // Dropout: the call's (seed, offset), int64 in the tensors' memory, read by the kernels themselves
   // (no host synchronisation, so CUDA graphs replay it); null without dropout.
   const int64_t* dropout_rng;
@@ -237,6 +243,7 @@ struct Config {
 // ---- small device helpers ---------------------------------------------------------------------
 
 __device__ __forceinline__ int min_int(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int max_int(int a, int b) { return a > b ? a : b; }
 
 // Carves the block's dynamic shared memory into buffers, in the order of the *_shared_bytes sums.
 struct SharedCarver {
@@ -356,20 +363,48 @@ __device__ __forceinline__ void block_gemm(const T* a, int lda, const T* b, int 
   }
 }
 
-// What a key adds to the scaled score of (query i, key j): 0, an additive bias, or -inf when it is
-// hidden (causal, masks, padding, or beyond the problem).
+// Whether query i sees key j through the band.
+__device__ __forceinline__ bool in_band(const AttentionParams& p, int i, int j) {
+  const int distance = j - (i + p.diagonal);
+  return !p.banded || (distance >= -p.window_left && distance <= p.window_right);
+}
+
+// The scaled score s of (query i, key j) as the softmax takes it (fused_attn/scores.py): capped,
+// plus an additive mask and ALiBi, or -inf when the key is hidden (the band, masks, padding, or
+// beyond the problem). With `cap_grad`, also the cap's derivative 1 - tanh² there.
 template <typename T>
-__device__ __forceinline__ float score_bias(const AttentionParams& p, int b, int h, int i, int j) {
-  if (i >= p.len_q || j >= p.len_k || (p.is_causal && j > i)) return -INFINITY;
+__device__ __forceinline__ float final_score(const AttentionParams& p, float s, int b, int h, int i, int j,
+                                             float* cap_grad = nullptr) {
+  if (i >= p.len_q || j >= p.len_k || !in_band(p, i, j)) return -INFINITY;
   if (p.key_padding != nullptr &&
       p.key_padding[b * p.key_padding_stride[0] + j * p.key_padding_stride[1]])
     return -INFINITY;
-  if (p.mask_kind == kNoMask) return 0.0f;
-  const int64_t offset = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
-                         j * p.mask_stride[3];
-  if (p.mask_kind == kBoolMask)
-    return static_cast<const uint8_t*>(p.mask)[offset] ? 0.0f : -INFINITY;
-  return Element<T>::load(static_cast<const T*>(p.mask)[offset]);
+  if (p.softcap > 0.0f) {
+    const float t = tanhf(s / p.softcap);
+    s = p.softcap * t;
+    if (cap_grad != nullptr) *cap_grad = 1.0f - t * t;
+  }
+  if (p.mask_kind != kNoMask) {
+    const int64_t offset = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
+                           j * p.mask_stride[3];
+    if (p.mask_kind == kBoolMask && !static_cast<const uint8_t*>(p.mask)[offset]) return -INFINITY;
+    if (p.mask_kind == kAdditiveMask) s += Element<T>::load(static_cast<const T*>(p.mask)[offset]);
+  }
+  if (p.alibi != nullptr) {
+    const float slope = p.alibi[b * p.alibi_stride[0] + h * p.alibi_stride[1]];
+    s -= slope * fabsf(static_cast<float>(i + p.diagonal - j));
+  }
+  return s;
+}
+
+// The key blocks (of BN keys) rows m0 .. m0 + BM - 1 see through the band: [begin, end).
+template <int BM, int BN>
+__device__ __forceinline__ void key_blocks_of(const AttentionParams& p, int m0, int& begin, int& end) {
+  begin = 0;
+  end = p.len_k;
+  if (!p.banded) return;
+  begin = max_int(0, m0 + p.diagonal - p.window_left) / BN * BN;
+  end = max_int(0, min_int(p.len_k, m0 + BM - 1 + p.diagonal + p.window_right + 1));
 }
 
 // Dropout's keep/drop decisions as a thread regenerates them (csrc/dropout.h): seed and offset are
@@ -427,9 +462,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
   const DropoutStream dropout = DropoutStream::of(p);
   const int batch_head = b * p.heads_q + h;
   float row_max = -INFINITY, row_sum = 0.0f;
-  // Causal: key blocks wholly after the last query of this block are skipped.
-  const int n_end = p.is_causal ? min_int(p.len_k, m0 + BM) : p.len_k;
-  for (int n0 = 0; n0 < n_end; n0 += BN) {
+  // Key blocks wholly outside the band of these rows are skipped.
+  int n_begin, n_end;
+  key_blocks_of<BM, BN>(p, m0, n_begin, n_end);
+  for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
     load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
     __syncthreads();
@@ -439,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
     float* s_row = s_s + row * LDS;
     float tile_max = -INFINITY;
     for (int j = lane; j < BN; j += LANES) {
-      const float s = s_row[j] * p.scale + score_bias<T>(p, b, h, i, n0 + j);
+      const float s = final_score<T>(p, s_row[j] * p.scale, b, h, i, n0 + j);
       s_row[j] = s;
       tile_max = fmaxf(tile_max, s);
     }
@@ -551,14 +587,16 @@ __device__ __forceinline__ void probabilities_and_grads(const BackwardParams& pa
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int j = j4 + c;
-      const float s = s_s[r * lds + j] * p.scale + score_bias<T>(p, b, h, i, n0 + j);
+      float cap_grad = 1.0f;
+      const float s = final_score<T>(p, s_s[r * lds + j] * p.scale, b, h, i, n0 + j, &cap_grad);
       // lse -inf: the row sees no key, its gradients are 0 (never exp(-inf - -inf) = NaN).
       const float probability = (lse == -INFINITY || s == -INFINITY) ? 0.0f : expf(s - lse);
       const bool keep = kept >> c & 1u;
       const float grad_p = keep ? dp_s[r * lds + j] * p.keep_scale : 0.0f;
+      // The gradient of the final score (the mask's), then of the scaled score through the cap.
       const float grad_s = probability * (grad_p - delta_s[r]);
       if (p_s != nullptr) p_s[r * ldp + j] = Element<T>::store(keep ? probability : 0.0f);
-      ds_s[r * ldp + j] = Element<T>::store(grad_s);
+      ds_s[r * ldp + j] = Element<T>::store(grad_s * cap_grad);
       if (grad_mask != nullptr && i < p.len_q && n0 + j < p.len_k)
         grad_mask[i * params.grad_mask_stride[2] + (n0 + j) * params.grad_mask_stride[3]] =
             Element<T>::store(grad_s);
@@ -598,8 +636,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   fill_f32(dk_s, BN * LDA, 0.0f);
   fill_f32(dv_s, BN * LDA, 0.0f);
 
-  // Causal: query blocks wholly before the first key of this block are skipped.
-  const int m_begin = p.is_causal ? n0 / BM * BM : 0;
+  // Query blocks wholly outside the band of these keys are skipped: query i sees key j iff
+  // j - diagonal - window_right <= i <= j - diagonal + window_left.
+  int m_begin = 0, m_end = p.len_q;
+  if (p.banded) {
+    m_begin = max_int(0, n0 - p.diagonal - p.window_right) / BM * BM;
+    m_end = max_int(0, min_int(p.len_q, n0 + BN - 1 - p.diagonal + p.window_left + 1));
+  }
   for (int g = 0; g < p.group; ++g) {
     const int h = h_kv * p.group + g;
     const T* q = head_of<const T>(p.q, p.q_stride, b, h);
@@ -607,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* grad_mask = params.grad_mask == nullptr
                        ? nullptr
                        : head_of<T>(params.grad_mask, params.grad_mask_stride, b, h);
-    for (int m0 = m_begin; m0 < p.len_q; m0 += BM) {
+    for (int m0 = m_begin; m0 < m_end; m0 += BM) {
       load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
       load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2],
                              params.grad_out_stride[3], m0, p.len_q, p.dim_v);
@@ -671,8 +714,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   load_row_stats<BM>(params, b, h, m0, lse_s, delta_s);
   fill_f32(dq_s, BM * LDA, 0.0f);
 
-  const int n_end = p.is_causal ? min_int(p.len_k, m0 + BM) : p.len_k;
-  for (int n0 = 0; n0 < n_end; n0 += BN) {
+  int n_begin, n_end;
+  key_blocks_of<BM, BN>(p, m0, n_begin, n_end);
+  for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
     load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
     __syncthreads();

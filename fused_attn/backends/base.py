@@ -6,6 +6,11 @@ import torch
 
 from ..dropout import Dropout
 from ..problem import Problem
+from ..scores import PLAIN, ScoreVariant
+
+# How a refusal names each score variant (fused_attn.scores.FEATURES).
+SCORE_FEATURE_NAMES = {"bottom_right": "bottom-right causal alignment", "window": "a sliding window",
+                       "softcap": "softcap", "alibi": "ALiBi slopes"}
 
 
 class Backend:
@@ -19,11 +24,13 @@ class Backend:
     name: str = ""
     # Device types the backend is chosen for automatically, in the registry's order of preference.
     devices: tuple[str, ...] = ()
-    # What the kernels take: input dtypes, the largest head dim, dropout, a gradient for attn_mask.
+    # What the kernels take: input dtypes, the largest head dim, dropout, a gradient for attn_mask,
+    # the score variants of fused_attn.scores.
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     max_head_dim: int | None = None
     takes_dropout: bool = False
     takes_mask_gradient: bool = False
+    takes_score_variants: frozenset[str] = frozenset()
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run at all here (missing build, library...), or None."""
@@ -49,27 +56,39 @@ class Backend:
             reasons.append("dropout is not supported (dropout_p > 0)")
         if problem.mask_requires_grad and not self.takes_mask_gradient:
             reasons.append("attn_mask requires grad (no mask gradient)")
+        for feature in problem.score_features:
+            if feature not in self.takes_score_variants:
+                reasons.append(f"{SCORE_FEATURE_NAMES[feature]} is not supported yet")
         return reasons
 
+    def check_variant(self, variant: ScoreVariant, is_causal: bool) -> None:
+        """Raises when `variant` asks for a score variant the backend does not declare (the registry
+        never chooses it for one; a direct call gets the reason instead of a wrong result)."""
+        missing = [SCORE_FEATURE_NAMES[f] for f in variant.features(is_causal) if f not in self.takes_score_variants]
+        if missing:
+            raise ValueError(f"{self.name}: {', '.join(missing)} not supported")
+
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal: bool, scale: float,
-                out: torch.Tensor, dropout: Dropout | None = None) -> torch.Tensor:
+                out: torch.Tensor, dropout: Dropout | None = None,
+                variant: ScoreVariant = PLAIN) -> torch.Tensor:
         """Writes the attention output into `out`; returns the log-sum-exp (B, H_q, L_q), in `lse_dtype`.
 
         `dropout` (only for backends that declare `takes_dropout`) drops the elements that
         `fused_attn.dropout` defines and scales the kept ones; the log-sum-exp is of the undropped
-        scores."""
+        scores. `variant` (fused_attn.scores) asks only for what `takes_score_variants` declares."""
         raise NotImplementedError
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal: bool, scale: float,
                  out, lse, grad_out, grad_lse, dropout: Dropout | None = None,
-                 grad_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 grad_mask: torch.Tensor | None = None,
+                 variant: ScoreVariant = PLAIN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (grad_query, grad_key, grad_value), each laid out as `torch.empty_like` of its input
         (the fake kernel promises that layout to torch.compile).
 
         `grad_mask` (only for backends that declare `takes_mask_gradient`) is None, or a zero-filled
         (B, H_q, L_q, L_k) tensor of the additive mask's dtype: the backend writes into it dS, the
-        gradient of the scaled scores, which is the gradient of the mask added to them, wherever a key
-        is visible (elsewhere it stays 0). Autograd sums it over the mask's broadcast dimensions.
+        gradient of the scores the mask is added to (after the softcap), which is the gradient of the
+        mask, wherever a key is visible (elsewhere it stays 0). Autograd sums it over the mask's broadcast dimensions.
 
         `grad_lse` is None or the gradient flowing into the returned log-sum-exp; since
         d lse_i / d s_ij = p_ij, it enters as `rowsum(dO * O) - grad_lse` in place of `rowsum(dO * O)`.

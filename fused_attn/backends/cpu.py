@@ -10,6 +10,7 @@ the kernels, up to what the CPU runs).
 
 from __future__ import annotations
 
+from ..scores import FEATURES
 from .extension import ExtensionBackend
 
 
@@ -18,3 +19,4 @@ class CpuBackend(ExtensionBackend):
     devices = ("cpu",)
     takes_dropout = True
     takes_mask_gradient = True
+    takes_score_variants = frozenset(FEATURES)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..problem import Problem
+from ..scores import FEATURES
 from .extension import ExtensionBackend
 
 MAX_GRID_DIM = 65535  # heads and batch index the y and z dimensions of the grid
@@ -34,6 +35,7 @@ class CudaBackend(ExtensionBackend):
     max_head_dim = 256
     takes_dropout = True
     takes_mask_gradient = True
+    takes_score_variants = frozenset(FEATURES)
 
     def unavailable(self) -> str | None:
         if (reason := super().unavailable()) is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import _extension
+from ..scores import PLAIN
 from .base import Backend
 
 
@@ -20,12 +21,16 @@ class ExtensionBackend(Backend):
     def unavailable(self) -> str | None:
         return _extension.missing_reason
 
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
+                variant=PLAIN):
+        self.check_variant(variant, is_causal)
         return torch.ops.fused_attn.flash_forward(query, key, value, attn_mask, key_padding_mask,
-                                                  is_causal, scale, out, *dropout_args(dropout))
+                                                  is_causal, scale, out, *dropout_args(dropout),
+                                                  *variant.op_args())
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse, dropout=None, grad_mask=None):
+                 grad_out, grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
+        self.check_variant(variant, is_causal)
         return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
                                                    is_causal, scale, out, lse, grad_out, grad_lse,
-                                                   *dropout_args(dropout), grad_mask)
+                                                   *dropout_args(dropout), grad_mask, *variant.op_args())

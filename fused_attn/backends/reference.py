@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import scores as score_variants
 from ..dropout import Dropout, keep_mask
 from ..problem import lse_dtype
+from ..scores import PLAIN, ScoreVariant
 from .base import Backend
 
 
@@ -20,13 +22,23 @@ def _grouped(query: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return query.reshape(batch, heads_kv, heads_q // heads_kv, length, dim)
 
 
-def masked_scores(query, key, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None):
-    """Scaled scores (B, H_q, L_q, L_k) in the query's dtype, -inf where a key is hidden."""
+def scaled_scores(query, key, scale=None):
+    """scale · Q Kᵀ, (B, H_q, L_q, L_k) in the query's dtype."""
     batch, heads_q, len_q, head_dim = query.shape
     heads_kv, len_k = key.shape[1], key.shape[2]
     scale = head_dim ** -0.5 if scale is None else scale
     scores = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(query, heads_kv), key)
-    scores = scores.reshape(batch, heads_q, len_q, len_k) * scale
+    return scores.reshape(batch, heads_q, len_q, len_k) * scale
+
+
+def masked_scores(query, key, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
+                  variant: ScoreVariant = PLAIN):
+    """The scores the softmax takes, (B, H_q, L_q, L_k) in the query's dtype: scaled, capped, plus the
+    additive mask and ALiBi, -inf where a key is hidden (fused_attn.scores gives the order)."""
+    batch, heads_q, len_q, len_k = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    scores = scaled_scores(query, key, scale)
+    if variant.softcap > 0.0:
+        scores = variant.softcap * torch.tanh(scores / variant.softcap)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
@@ -34,9 +46,11 @@ def masked_scores(query, key, attn_mask=None, key_padding_mask=None, is_causal=F
             scores = scores + attn_mask
     if key_padding_mask is not None:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
-    if is_causal:
-        hidden = torch.ones(len_q, len_k, dtype=torch.bool, device=query.device).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
+    visible, alibi = score_variants.terms(variant, is_causal, batch, heads_q, len_q, len_k, query.device)
+    if alibi is not None:
+        scores = scores + alibi.to(scores.dtype)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     return scores
 
 
@@ -80,13 +94,13 @@ def dropped(probs: torch.Tensor, dropout: Dropout | None) -> torch.Tensor:
 
 
 def attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
-              dropout=None, return_weights=False):
+              dropout=None, return_weights=False, variant: ScoreVariant = PLAIN):
     """Differentiable attention in the inputs' dtype: returns (out, lse) or (out, lse, weights).
 
     `lse` is in `lse_dtype(query.dtype)` (of the undropped scores); `weights` are the probabilities
     after `dropout` (a fused_attn.dropout.Dropout, or None), the ones that multiplied the values.
     """
-    scores = masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale)
+    scores = masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale, variant)
     lse = log_sum_exp(scores)
     probs = dropped(probabilities(scores), dropout)
     out = weighted_values(probs, value)
@@ -104,16 +118,20 @@ class ReferenceBackend(Backend):
     devices = ("cpu", "cuda")
     takes_dropout = True
     takes_mask_gradient = True
+    takes_score_variants = frozenset(score_variants.FEATURES)
 
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
-        result, lse = attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout)
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
+                variant=PLAIN):
+        result, lse = attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout,
+                                variant=variant)
         out.copy_(result)
         return lse
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse, dropout=None, grad_mask=None):
+                 grad_out, grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
         heads_kv = key.shape[1]
-        probs = probabilities(masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale))
+        probs = probabilities(masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale,
+                                            variant))
         grad_value = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", dropped(probs, dropout), grad_out),
                                       heads_kv)
         grad_probs = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(grad_out, heads_kv), value)
@@ -125,6 +143,9 @@ class ReferenceBackend(Backend):
         grad_scores = probs * (grad_probs - delta.to(probs.dtype))
         if grad_mask is not None:  # the mask is added to the scaled scores: its gradient is dS itself
             grad_mask.copy_(grad_scores)
+        if variant.softcap > 0.0:  # d/ds c·tanh(s/c) = 1 - tanh²(s/c)
+            capped = torch.tanh(scaled_scores(query, key, scale) / variant.softcap)
+            grad_scores = grad_scores * (1 - capped * capped)
         grad_scores = grad_scores * scale
         grad_query = weighted_values(grad_scores, key)
         grad_key = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", grad_scores, query), heads_kv)

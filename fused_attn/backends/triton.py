@@ -13,6 +13,7 @@ import sys
 import torch
 
 from ..problem import Problem
+from ..scores import FEATURES, PLAIN
 from . import triton_compat
 from .base import Backend
 
@@ -39,6 +40,7 @@ class TritonBackend(Backend):
     max_head_dim = 256
     takes_dropout = True
     takes_mask_gradient = True
+    takes_score_variants = frozenset(FEATURES)
 
     def unavailable(self) -> str | None:
         if (reason := triton_compat.unsupported()) is not None:
@@ -66,7 +68,9 @@ class TritonBackend(Backend):
             return ["bfloat16 needs compute capability 8.0 or newer"]
         return []
 
-    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None):
+    def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
+                variant=PLAIN):
+        self.check_variant(variant, is_causal)
         batch, heads_q, len_q, _ = query.shape
         if out.numel() == 0 or key.shape[2] == 0:
             # Nothing to launch: no rows, or rows that see no key (output 0, lse -inf).
@@ -74,11 +78,12 @@ class TritonBackend(Backend):
             return torch.full((batch, heads_q, len_q), float("-inf"), dtype=torch.float32,
                               device=query.device)
         return _kernels().forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-                                  dropout)
+                                  dropout, variant)
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                 grad_out, grad_lse, dropout=None, grad_mask=None):
+                 grad_out, grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
+        self.check_variant(variant, is_causal)
         if out.numel() == 0 or key.shape[2] == 0:
             return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         return _kernels().backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                   out, lse, grad_out, grad_lse, dropout, grad_mask)
+                                   out, lse, grad_out, grad_lse, dropout, grad_mask, variant)

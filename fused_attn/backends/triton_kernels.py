@@ -3,8 +3,8 @@
 FlashAttention-2 in structure:
 
     forward    one program per (query block, batch, query head); online softmax in fp32 over key
-               blocks, in base 2 with the scale folded into one multiplier; causal blocks beyond the
-               diagonal are not visited. Writes the output and the natural log-sum-exp (fp32).
+               blocks, in base 2 with the scale folded into one multiplier; key blocks outside the
+               band (causal, a sliding window, either diagonal alignment) are not visited. Writes the output and the natural log-sum-exp (fp32).
                Dropout zeroes the elements of fused_attn.dropout's stream (`_dropout_bits`) after the
                row sums, and the output is scaled by 1 / (1 - p).
     backward   deterministic, no atomics:
@@ -13,6 +13,11 @@ FlashAttention-2 in structure:
                            heads of its GQA group in a fixed order and, for each, over query blocks;
                            it also writes dS, a learned additive mask's gradient, where asked;
                dQ          one program per query block, looping over key blocks.
+
+The score variants of fused_attn.scores are constexpr switches: BANDED (query i sees keys
+i + DIAG - LEFT .. i + DIAG + RIGHT; causal is RIGHT = 0; a side without a bound gets L_Q + L_K,
+which no index pair reaches), SOFTCAP and HAS_ALIBI, applied by `_variant_scores` and `_in_band`
+in every kernel alike.
 
 Every tensor is read and written through its own strides: the slices of a packed projection, permuted
 views, a mask viewed as (B, H_q, L_q, L_k) with stride-0 broadcast dimensions, the output written into
@@ -49,6 +54,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ..scores import PLAIN, UNBOUNDED
+
+LOG2E = math.log2(math.e)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -89,18 +98,42 @@ def _dropout_bits(RNG, batch_head, offs_m, start_n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _in_band(q_idx, k_idx, DIAG, LEFT, RIGHT):
+    """Whether query q_idx sees key k_idx through the band (indices broadcast against each other)."""
+    distance = k_idx - (q_idx + DIAG)
+    return (distance >= -LEFT) & (distance <= RIGHT)
+
+
+@triton.jit
+def _variant_scores(s, q_idx, k_idx, slope2, softcap2, DIAG, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Base-2 scores (scale * log2(e) folded in) capped and with ALiBi added, and the cap's derivative
+    1 - tanh² (1 without a cap). `softcap2` and `slope2` are the cap and the slope times log2(e)."""
+    cap_grad = 1.0
+    if SOFTCAP:
+        # tanh(x) = 2 sigmoid(2x) - 1 (tl has no tanh).
+        t = 2.0 * tl.sigmoid(2.0 * s / softcap2) - 1.0
+        s = softcap2 * t
+        cap_grad = 1.0 - t * t
+    if HAS_ALIBI:
+        distance = (q_idx + DIAG - k_idx).to(tl.float32)
+        s = s - slope2 * tl.abs(distance)
+    return s, cap_grad
+
+
+@triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM, RNG,
+    Q, K, V, O, LSE, MASK, KPM, RNG, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb, stride_pn,
-    H_Q, GROUP, L_Q, L_K, qk_scale, drop_threshold, keep_scale,
+    stride_pb, stride_pn, stride_ab, stride_ah,
+    H_Q, GROUP, L_Q, L_K, qk_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
@@ -131,11 +164,17 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * 1.4426950408889634
+    lo = 0
     hi = L_K
-    if IS_CAUSAL:
-        # Query i sees keys j <= i: key blocks past this query block's last row are never visited.
-        hi = tl.minimum(L_K, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    if BANDED:
+        # Key blocks wholly outside the band of this query block's rows are never visited; the first
+        # visited one starts on a multiple of BLOCK_N (dropout's Philox blocks need multiples of 4).
+        lo = tl.maximum(0, pid_m * BLOCK_M + DIAG - LEFT) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
         col_ok = offs_n < L_K
@@ -143,9 +182,10 @@ def _attn_fwd(
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        s, _ = _variant_scores(s, offs_m[:, None], offs_n[None, :], slope2, softcap2, DIAG, SOFTCAP, HAS_ALIBI)
         visible = col_ok[None, :] & row_ok[:, None]
-        if IS_CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if BANDED:
+            visible = visible & _in_band(offs_m[:, None], offs_n[None, :], DIAG, LEFT, RIGHT)
         if MASK_KIND == 1:
             attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
             visible = visible & (attend != 0)
@@ -222,7 +262,7 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, DK, DV, DMASK,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, ALIBI, DK, DV, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -232,10 +272,11 @@ def _attn_bwd_dkdv(
     stride_pb, stride_pn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dmb, stride_dmh, stride_dmm, stride_dmn,
-    H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale,
+    stride_dmb, stride_dmh, stride_dmm, stride_dmn, stride_ab, stride_ah,
+    H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One key block of one key/value head: dK and dV summed over its query heads and query blocks,
@@ -269,18 +310,24 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     lo = 0
-    if IS_CAUSAL:
-        # Only queries i >= the block's first key see it: start at the query block holding that row.
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    hi = L_Q
+    if BANDED:
+        # Only the queries whose band reaches these keys: query i sees key j iff
+        # j - DIAG - RIGHT <= i <= j - DIAG + LEFT.
+        lo = tl.maximum(0, pid_n * BLOCK_N - DIAG - RIGHT) // BLOCK_M * BLOCK_M
+        hi = tl.maximum(0, tl.minimum(L_Q, (pid_n + 1) * BLOCK_N - 1 - DIAG + LEFT + 1))
     # The group's query heads in a fixed order, so the sum is the same on every run.
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * 1.4426950408889634
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_gb + off_h * stride_gh
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + (off_b * H_Q + off_h) * L_Q
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_n64[:, None] * stride_mn
-        for start_m in range(lo, L_Q, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             offs_m64 = offs_m.to(tl.int64)
             row_ok = offs_m < L_Q
@@ -294,9 +341,11 @@ def _attn_bwd_dkdv(
             delta = tl.load(delta_base + offs_m64, mask=row_ok, other=0.0)
 
             s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
+            s_t, cap_grad_t = _variant_scores(s_t, offs_m[None, :], offs_n[:, None], slope2, softcap2, DIAG,
+                                              SOFTCAP, HAS_ALIBI)
             visible = key_visible[:, None] & row_ok[None, :]
-            if IS_CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :])
+            if BANDED:
+                visible = visible & _in_band(offs_m[None, :], offs_n[:, None], DIAG, LEFT, RIGHT)
             if MASK_KIND == 1:
                 attend = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0)
                 visible = visible & (attend != 0)
@@ -318,6 +367,8 @@ def _attn_bwd_dkdv(
                 tl.store(DMASK + off_b * stride_dmb + off_h * stride_dmh + offs_m64[None, :] * stride_dmm
                          + offs_n64[:, None] * stride_dmn, ds_t.to(DMASK.dtype.element_ty),
                          mask=row_ok[None, :] & col_ok[:, None])
+            if SOFTCAP:  # the mask's gradient is of the capped score; q and k take the cap's derivative
+                ds_t = ds_t * cap_grad_t
             dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
 
     dk = dk * sm_scale
@@ -333,7 +384,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, DQ,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, ALIBI, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -341,10 +392,11 @@ def _attn_bwd_dq(
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    H_Q, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ab, stride_ah,
+    H_Q, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One query block: dQ = dS K * scale over the key blocks it sees."""
@@ -377,10 +429,15 @@ def _attn_bwd_dq(
     kpm_base = KPM + off_b * stride_pb
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + off_b * stride_ab + off_h * stride_ah) * 1.4426950408889634
+    lo = 0
     hi = L_K
-    if IS_CAUSAL:
-        hi = tl.minimum(L_K, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    if BANDED:  # as in the forward
+        lo = tl.maximum(0, pid_m * BLOCK_M + DIAG - LEFT) // BLOCK_N * BLOCK_N
+        hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
         col_ok = offs_n < L_K
@@ -389,9 +446,11 @@ def _attn_bwd_dq(
         v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
                       mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
         s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        s, cap_grad = _variant_scores(s, offs_m[:, None], offs_n[None, :], slope2, softcap2, DIAG, SOFTCAP,
+                                      HAS_ALIBI)
         visible = col_ok[None, :] & row_ok[:, None]
-        if IS_CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        if BANDED:
+            visible = visible & _in_band(offs_m[:, None], offs_n[None, :], DIAG, LEFT, RIGHT)
         if MASK_KIND == 1:
             attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
             visible = visible & (attend != 0)
@@ -407,6 +466,8 @@ def _attn_bwd_dq(
             bits = _dropout_bits(RNG, pid_bh, offs_m, start_n, BLOCK_N)
             dp = tl.where(bits.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * cap_grad
         dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
 
     dq = dq * sm_scale
@@ -588,20 +649,37 @@ def _dropout_args(dropout, dummy):
     return dropout.rng, dropout.threshold, dropout.keep_scale
 
 
-def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None):
+def _variant_args(variant, is_causal, len_q, len_k, dummy):
+    """A call's score variant (fused_attn.scores) as kernel arguments: (ALIBI pointer, its (B, H_q)
+    strides, (DIAG, LEFT, RIGHT, softcap2)) and its constexprs. An unbounded side of the band gets
+    L_Q + L_K, which no index pair reaches."""
+    left, right = variant.bounds(is_causal)
+    beyond = len_q + len_k
+    slopes = variant.alibi_slopes
+    pointer, strides = (dummy, (0, 0)) if slopes is None else (slopes, tuple(slopes.stride()))
+    runtime = (variant.offset(len_q, len_k), beyond if left == UNBOUNDED else left,
+               beyond if right == UNBOUNDED else right, variant.softcap * LOG2E)
+    constexprs = dict(BANDED=left != UNBOUNDED or right != UNBOUNDED, SOFTCAP=variant.softcap > 0.0,
+                      HAS_ALIBI=slopes is not None)
+    return pointer, strides, runtime, constexprs
+
+
+def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None,
+                 variant=PLAIN):
     """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report."""
     batch, heads_q, len_q, dim_qk = query.shape
     heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
     mask, kind, mask_strides, padding, padding_strides = _mask_args(attn_mask, key_padding_mask, query)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
-    args = (query, key, value, out, lse, mask, padding, rng,
+    alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse)
+    args = (query, key, value, out, lse, mask, padding, rng, alibi,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
-            *mask_strides, *padding_strides,
-            heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e),
-            drop_threshold, keep_scale)
+            *mask_strides, *padding_strides, *alibi_strides,
+            heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E,
+            drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
-                      HAS_KPM=key_padding_mask is not None, IS_CAUSAL=bool(is_causal),
+                      HAS_KPM=key_padding_mask is not None, **variant_constexprs,
                       HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
     return args, constexprs
 
@@ -616,7 +694,7 @@ def preprocess_args(out, grad_out, grad_lse, delta):
 
 
 def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_causal, scale, grad_out, lse,
-                  delta, grads, dropout=None, grad_mask=None):
+                  delta, grads, dropout=None, grad_mask=None, variant=PLAIN):
     """(positional args, constexprs) of `_attn_bwd_dkdv` (grads = (dk, dv), and the mask's gradient
     where asked for) or `_attn_bwd_dq` (grads = (dq,))."""
     batch, heads_q, len_q, dim_qk = query.shape
@@ -632,12 +710,13 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
         grad_strides += (0, 0, 0, 0) if grad_mask is None else tuple(grad_mask.stride())
         extra = dict(HAS_MASK_GRAD=grad_mask is not None)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
-    args = (query, key, value, grad_out, lse, delta, mask, padding, rng, *grads, *common, *grad_strides,
-            *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * math.log2(math.e), float(scale),
-            drop_threshold, keep_scale)
+    alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse)
+    args = (query, key, value, grad_out, lse, delta, mask, padding, rng, alibi, *grads, *common, *grad_strides,
+            *alibi_strides, *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E, float(scale),
+            drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
-                      HAS_KPM=key_padding_mask is not None, IS_CAUSAL=bool(is_causal),
+                      HAS_KPM=key_padding_mask is not None, **variant_constexprs,
                       HAS_DROPOUT=dropout is not None, **extra, PRECISION=_precision(query.dtype))
     return args, constexprs
 
@@ -700,8 +779,8 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     return min(smaller, key=lambda c: (c.block_m * c.block_n, c.num_stages)) if smaller else config
 
 
-AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "IS_CAUSAL", "HAS_DROPOUT",
-                "PRECISION")
+AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "HAS_DROPOUT",
+                "SOFTCAP", "HAS_ALIBI", "PRECISION")
 
 
 def autotune_key(kernel: str) -> list[str]:
@@ -759,28 +838,28 @@ def new_gradient(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-            dropout=None) -> torch.Tensor:
+            dropout=None, variant=PLAIN) -> torch.Tensor:
     """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q)."""
     batch, heads_q, len_q, _ = query.shape
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
     args, constexprs = forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                    out, lse, dropout)
+                                    out, lse, dropout, variant)
     with _on_device(query):
         _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
     return lse
 
 
 def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-             grad_lse, dropout=None, grad_mask=None):
+             grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
     """(dq, dk, dv), each laid out like its input, and dS written into `grad_mask` where given;
     deterministic (no atomics, fixed summation order)."""
     with _on_device(query):
         return _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                         grad_out, grad_lse, dropout, grad_mask)
+                         grad_out, grad_lse, dropout, grad_mask, variant)
 
 
 def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-              grad_lse, dropout, grad_mask):
+              grad_lse, dropout, grad_mask, variant):
     batch, heads_q, len_q, dim_v = out.shape
     heads_kv, len_k = key.shape[1], key.shape[2]
     delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
@@ -790,9 +869,10 @@ def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, 
 
     grad_query, grad_key, grad_value = (new_gradient(t) for t in (query, key, value))
     args, constexprs = backward_args("bwd_dkdv", query, key, value, attn_mask, key_padding_mask, is_causal,
-                                     scale, grad_out, lse, delta, (grad_key, grad_value), dropout, grad_mask)
+                                     scale, grad_out, lse, delta, (grad_key, grad_value), dropout, grad_mask,
+                                     variant)
     _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query)
     args, constexprs = backward_args("bwd_dq", query, key, value, attn_mask, key_padding_mask, is_causal,
-                                     scale, grad_out, lse, delta, (grad_query,), dropout)
+                                     scale, grad_out, lse, delta, (grad_query,), dropout, variant=variant)
     _launch("bwd_dq", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
     return grad_query, grad_key, grad_value

@@ -18,16 +18,20 @@ void check_cpu(const std::optional<at::Tensor>& t, const char* name) {
 at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                    const std::optional<at::Tensor>& attn_mask,
                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
-                   const at::Tensor& out, double dropout_p, const std::optional<at::Tensor>& dropout_rng) {
+                   const at::Tensor& out, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
+                   int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+                   const std::optional<at::Tensor>& alibi_slopes) {
   for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"},
                                 {key, "key"}, {value, "value"}, {attn_mask, "attn_mask"},
                                 {key_padding_mask, "key_padding_mask"}, {out, "out"},
-                                {dropout_rng, "dropout_rng"}})
+                                {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}})
     check_cpu(t, name);
   // The emulated threads never touch Python: let other Python threads run meanwhile.
   pybind11::gil_scoped_release release;
   return fused_attn_cuda::flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                        scale, out, dropout_p, dropout_rng, EmulatedLaunch{});
+                                        scale, out, dropout_p, dropout_rng,
+                                        {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                        EmulatedLaunch{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
@@ -35,17 +39,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
     bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
-    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask) {
+    const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
   for (const auto& [t, name] :
        {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
         {attn_mask, "attn_mask"}, {key_padding_mask, "key_padding_mask"}, {out, "out"},
         {lse, "lse"}, {grad_out, "grad_out"}, {grad_lse, "grad_lse"}, {dropout_rng, "dropout_rng"},
-        {grad_mask, "grad_mask"}})
+        {grad_mask, "grad_mask"}, {alibi_slopes, "alibi_slopes"}})
     check_cpu(t, name);
   pybind11::gil_scoped_release release;
   return fused_attn_cuda::flash_backward(query, key, value, attn_mask, key_padding_mask, is_causal,
                                          scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng,
-                                         grad_mask, EmulatedLaunch{});
+                                         grad_mask, {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                         EmulatedLaunch{});
 }
 
 // ---- probes of the emulation itself: the CUDA semantics the kernels rely on ---------------------
@@ -159,14 +166,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "is_causal, scale, out, dropout_p, dropout_rng) -> lse", pybind11::arg("query"),
         pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("attn_mask"),
         pybind11::arg("key_padding_mask"), pybind11::arg("is_causal"), pybind11::arg("scale"),
-        pybind11::arg("out"), pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none());
+        pybind11::arg("out"), pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none(),
+        pybind11::arg("window_left") = -1, pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false,
+        pybind11::arg("softcap") = 0.0, pybind11::arg("alibi_slopes") = pybind11::none());
   m.def("backward", &backward, "flash_backward(query, key, value, attn_mask, key_padding_mask, "
         "is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, grad_mask) -> (dq, dk, dv)",
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("attn_mask"),
         pybind11::arg("key_padding_mask"), pybind11::arg("is_causal"), pybind11::arg("scale"),
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("grad_out"), pybind11::arg("grad_lse"),
         pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none(),
-        pybind11::arg("grad_mask") = pybind11::none());
+        pybind11::arg("grad_mask") = pybind11::none(), pybind11::arg("window_left") = -1,
+        pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false, pybind11::arg("softcap") = 0.0,
+        pybind11::arg("alibi_slopes") = pybind11::none());
   m.def("wmma_product", &wmma_product, "probe: A B of two 16x16 fp16 tiles through WMMA fragments");
   m.def("shuffle_xor", &shuffle_xor, "probe: __shfl_xor_sync over two warps");
   m.def("misaligned_wmma", &misaligned_wmma, "probe: a WMMA load off a 256-bit boundary (raises)");

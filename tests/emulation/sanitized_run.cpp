@@ -48,7 +48,7 @@ bool all_finite(const std::vector<T>& values) {
 
 // Forward and backward of one problem: GQA, L_q != L_k, causal, key padding and a broadcast mask:
 // bool with some rows fully hidden, or, for `training`, an additive one whose gradient is computed,
-// with dropout. Returns the number of outputs with NaN or infinite elements.
+// with dropout and every score variant. Returns the number of outputs with NaN or infinite elements.
 template <typename T, int HEAD>
 int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim_qk,
         int dim_v, bool training = false) {
@@ -90,7 +90,16 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   attn.dim_qk = dim_qk;
   attn.dim_v = dim_v;
   attn.scale = 0.2f;
-  attn.is_causal = true;
+  // Causal; for `training` also a window aligned bottom-right, a softcap and ALiBi.
+  attn.banded = true;
+  attn.diagonal = training ? len_k - len_q : 0;
+  attn.window_left = training ? 20 : len_q + len_k;
+  attn.window_right = 0;
+  attn.softcap = training ? 3.0f : 0.0f;
+  const std::vector<float> slopes(static_cast<std::size_t>(batch) * heads_q, 0.25f);
+  attn.alibi = training ? slopes.data() : nullptr;
+  attn.alibi_stride[0] = heads_q;
+  attn.alibi_stride[1] = 1;
   attn.dropout_rng = training ? dropout_rng : nullptr;
   attn.drop_threshold = training ? fused_attn::dropout_threshold(0.25) : 0;
   attn.keep_scale = training ? 1.0f / 0.75f : 1.0f;

@@ -1,0 +1,165 @@
+"""What a call asks of its scores beyond the masks: the diagonal's alignment, a sliding window, a
+softcap and ALiBi. One value, `ScoreVariant`, carries them from the public functions to the kernels.
+
+Query i sees key j iff
+
+    -left <= j - (i + offset) <= right        (a bound of -1 is unbounded)
+
+with offset = 0 when the diagonal is aligned top-left (SDPA's `is_causal`) and L_k - L_q when it is
+aligned bottom-right (flash-attn's: the last query sits on the last key, as in a KV-cache step).
+`is_causal` is right = 0, with or without a window. A visible score s = scale * q_i . k_j becomes
+
+    softcap * tanh(s / softcap)               (softcap > 0, Gemma 2's logit cap)
+    + attn_mask[b, h, i, j]                   (an additive mask; a bool one hides keys)
+    - slope[b, h] * |i + offset - j|          (ALiBi, alibi_slopes)
+
+in that order, before the softmax. The reference backend materialises these terms; the kernels
+compute them from the indices, and skip the key blocks a window hides entirely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+UNBOUNDED = -1
+ALIGNMENTS = ("top_left", "bottom_right")
+# What a backend may declare it takes (Backend.takes_score_variants).
+FEATURES = ("bottom_right", "window", "softcap", "alibi")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreVariant:
+    """The score options of one call. `alibi_slopes` is (B, H_q) float32 on the tensors' device, stride
+    0 over the batch when one slope per head was given. The default value changes nothing."""
+
+    bottom_right: bool = False
+    window_left: int = UNBOUNDED
+    window_right: int = UNBOUNDED
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+
+    def offset(self, len_q: int, len_k: int) -> int:
+        """Key index of query 0's diagonal."""
+        return len_k - len_q if self.bottom_right else 0
+
+    def bounds(self, is_causal: bool) -> tuple[int, int]:
+        """(left, right) of the visible band, `is_causal` folded in as right = 0."""
+        return self.window_left, 0 if is_causal else self.window_right
+
+    def features(self, is_causal: bool) -> tuple[str, ...]:
+        """The names of what this call asks beyond plain (top-left) causal attention, as the registry
+        matches them against a backend's `takes_score_variants`."""
+        left, right = self.bounds(is_causal)
+        names = []
+        if self.bottom_right and (left != UNBOUNDED or right != UNBOUNDED or self.alibi_slopes is not None):
+            names.append("bottom_right")
+        if self.window_left != UNBOUNDED or self.window_right != UNBOUNDED:
+            names.append("window")
+        if self.softcap > 0.0:
+            names.append("softcap")
+        if self.alibi_slopes is not None:
+            names.append("alibi")
+        return tuple(names)
+
+    def op_args(self) -> tuple:
+        """(window_left, window_right, bottom_right, softcap, alibi_slopes): the ops' flat arguments."""
+        return self.window_left, self.window_right, self.bottom_right, self.softcap, self.alibi_slopes
+
+
+PLAIN = ScoreVariant()
+
+
+def from_op_args(window_left: int, window_right: int, bottom_right: bool, softcap: float,
+                 alibi_slopes: torch.Tensor | None) -> ScoreVariant:
+    return ScoreVariant(bottom_right, window_left, window_right, softcap, alibi_slopes)
+
+
+def _window(window_size) -> tuple[int, int]:
+    if window_size is None:
+        return UNBOUNDED, UNBOUNDED
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected None or a pair (left, right), got {window_size!r}")
+    bounds = []
+    for bound in window_size:
+        if bound is None:
+            bound = UNBOUNDED
+        if not isinstance(bound, numbers.Integral) or isinstance(bound, bool) or bound < UNBOUNDED:
+            raise ValueError(f"window_size: expected each bound to be an int >= 0, or -1 / None for "
+                             f"unbounded, got {window_size!r}")
+        bounds.append(int(bound))
+    return bounds[0], bounds[1]
+
+
+def _alibi(alibi_slopes, query: torch.Tensor) -> torch.Tensor | None:
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes: expected None or a torch.Tensor, got {type(alibi_slopes).__name__}")
+    batch, heads = query.shape[0], query.shape[1]
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes: expected dtype torch.float32, got {alibi_slopes.dtype}")
+    if alibi_slopes.device != query.device:
+        raise ValueError(f"alibi_slopes: expected device {query.device} (as query), got {alibi_slopes.device}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes: expected shape (H_q,) = ({heads},) or (B, H_q) = ({batch}, {heads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.requires_grad:
+        raise ValueError("alibi_slopes: expected a tensor that does not require grad (the slopes get no "
+                         "gradient); pass alibi_slopes.detach()")
+    return alibi_slopes.expand(batch, heads)
+
+
+def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap, alibi_slopes) -> ScoreVariant:
+    """Checks the public keywords and makes the call's ScoreVariant."""
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS}, got {causal_alignment!r}")
+    left, right = _window(window_size)
+    if softcap is None:
+        softcap = 0.0
+    if not isinstance(softcap, numbers.Real) or isinstance(softcap, bool) or not math.isfinite(softcap) \
+            or softcap < 0:
+        raise ValueError(f"softcap: expected None or a finite number >= 0 (0: no cap), got {softcap!r}")
+    return ScoreVariant(causal_alignment == "bottom_right", left, right, float(softcap),
+                        _alibi(alibi_slopes, query))
+
+
+def causal_bias_variant(attn_mask, query: torch.Tensor, key: torch.Tensor) -> str | None:
+    """The alignment a `torch.nn.attention.bias.CausalBias` given as attn_mask stands for ("top_left"
+    or "bottom_right"), or None when attn_mask is not one."""
+    try:
+        from torch.nn.attention.bias import CausalBias, CausalVariant
+    except ImportError:  # a torch without it cannot have made one
+        return None
+    if not isinstance(attn_mask, CausalBias):
+        return None
+    expected = (query.shape[2], key.shape[2])
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != expected:
+        raise ValueError(f"attn_mask: a CausalBias for (L_q, L_k) = {expected} was expected, got one for "
+                         f"({attn_mask.seq_len_q}, {attn_mask.seq_len_kv})")
+    return "bottom_right" if attn_mask.variant == CausalVariant.LOWER_RIGHT else "top_left"
+
+
+def terms(variant: ScoreVariant, is_causal: bool, batch: int, heads: int, len_q: int, len_k: int,
+          device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The variant as tensors, for the reference: (visible (L_q, L_k) bool or None, ALiBi bias
+    (B, H_q, L_q, L_k) float64 or None: exact products of the float32 slopes and the distances)."""
+    offset = variant.offset(len_q, len_k)
+    distance = (torch.arange(len_k, device=device)[None, :]
+                - torch.arange(len_q, device=device)[:, None] - offset)  # j - (i + offset)
+    left, right = variant.bounds(is_causal)
+    visible = None
+    if left != UNBOUNDED or right != UNBOUNDED:
+        visible = torch.ones(len_q, len_k, dtype=torch.bool, device=device)
+        if left != UNBOUNDED:
+            visible &= distance >= -left
+        if right != UNBOUNDED:
+            visible &= distance <= right
+    bias = None
+    if variant.alibi_slopes is not None:
+        slopes = variant.alibi_slopes.expand(batch, heads).to(torch.float64)
+        bias = -slopes[:, :, None, None] * distance.abs().to(torch.float64)
+    return visible, bias
