@@ -99,6 +99,7 @@ VARIANT_CASES = {
                        key_padding=True, dropout_p=0.2, lse_grad=True, dim_qk=20),
     "window_hides_rows": Case(len_q=40, len_k=30, window=(0, 0), hidden_rows=True, mask="bool", key_padding=True),
 }
+ALL_CASES = {**CASES, **LARGE_HEAD_CASES, **TRAINING_CASES, **VARIANT_CASES}
 # Rotations of the tensor layouts: two by default, the other three marked slow.
 ROTATIONS = [rotation if rotation in (0, 2) else pytest.param(rotation, marks=pytest.mark.slow)
              for rotation in range(len(LAYOUTS))]
@@ -353,27 +354,10 @@ def test_backend_refusals_name_each_reason():
 @pytest.mark.cuda
 @pytest.mark.parametrize("rotation", range(len(LAYOUTS)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", [*CASES, *LARGE_HEAD_CASES])
+@pytest.mark.parametrize("name", [*ALL_CASES])
 def test_cuda_matches_reference(name, dtype, rotation, generator):
-    inputs = testing.random_inputs({**CASES, **LARGE_HEAD_CASES}[name], dtype, rotation, generator, "cuda")
-    testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rotation", range(len(LAYOUTS)))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(TRAINING_CASES))
-def test_cuda_dropout_and_mask_gradient(name, dtype, rotation, generator):
-    inputs = testing.random_inputs(TRAINING_CASES[name], dtype, rotation, generator, "cuda")
-    testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rotation", range(len(LAYOUTS)))
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(VARIANT_CASES))
-def test_cuda_score_variants(name, dtype, rotation, generator):
-    inputs = testing.random_inputs(VARIANT_CASES[name], dtype, rotation, generator, "cuda")
+    """Every case of this file, training and score variants included, through `attention`."""
+    inputs = testing.random_inputs(ALL_CASES[name], dtype, rotation, generator, "cuda")
     testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
 
 
