@@ -117,7 +117,7 @@ ISA_FLAGS = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "a
 @pytest.mark.parametrize("isa", list(ISA_FLAGS))
 def test_every_instruction_set_meets_criterion(isa):
     """Each compiled copy of the kernels, forced with FUSED_ATTN_CPU_ISA in a fresh process; dropout
-    included (each copy has its own Philox rounds)."""
+    and the score variants included (each copy has its own Philox rounds and tanh)."""
     if not ISA_FLAGS[isa] <= cpu_flags():
         pytest.skip(f"this CPU cannot run {isa}")
     if isa.startswith("avx512") and torch.backends.cpu.get_cpu_capability() != "AVX512":
@@ -129,8 +129,9 @@ def test_every_instruction_set_meets_criterion(isa):
         "    for feature in ('blocks', 'head_dims', 'gqa', 'plain'):\n"
         "        t.run_and_check(g, dtype, feature, t.LAYOUTS)\n"
         "    t.check_extreme_maxima(g, dtype)\n"
-        "    for name in ('plain', 'bias_heads_causal_dropout'):\n"
-        "        inputs = t.testing.random_inputs(t.TRAINING_CASES[name], dtype, 1, g)\n"
+        "    for case in (t.TRAINING_CASES['plain'], t.TRAINING_CASES['bias_heads_causal_dropout'],\n"
+        "                 t.VARIANT_CASES['everything'], t.VARIANT_CASES['softcap_alibi_additive']):\n"
+        "        inputs = t.testing.random_inputs(case, dtype, 1, g)\n"
         "        t.testing.check_inputs(t.testing.run_attention(inputs, 'cpu'), inputs)\n")
     env = dict(os.environ, FUSED_ATTN_CPU_ISA=isa, FUSED_ATTN_CPU_BLOCK_Q="16", FUSED_ATTN_CPU_BLOCK_K="24")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
