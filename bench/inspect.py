@@ -15,6 +15,7 @@ its rows (tests/test_triton_compile.py, tests/test_cuda_compile.py, tests/test_i
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -29,11 +30,14 @@ SOURCES = {"triton": triton_report.report, "cuda": cuda_report.report}
 
 
 def collect(backends=tuple(SOURCES)) -> tuple[list[dict], dict[str, str]]:
-    """(rows, {backend: why it could not be compiled}) for the requested backends."""
+    """(rows, {backend: why it could not be compiled}) for the requested backends, compiled at the same
+    time (each report's compilers run in child processes)."""
     rows, missing = [], {}
-    for backend in backends:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(backends) or 1) as pool:
+        reports = {backend: pool.submit(SOURCES[backend]) for backend in backends}
+    for backend, report in reports.items():
         try:
-            rows.extend(SOURCES[backend]())
+            rows.extend(report.result())
         except (OSError, RuntimeError) as error:  # a missing compiler or a failed build
             missing[backend] = str(error)
     return rows, missing

@@ -62,17 +62,27 @@ def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1
     Keys: backend, kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores, config, registers, spill_bytes,
     stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
     """
+    # One child process per target, at the same time (the compilations are independent).
     with tempfile.TemporaryDirectory(prefix="fused_attn_triton_cache_") as cache:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(TRITON_CACHE_DIR=cache, TRITON_DEFAULT_FP_FUSION="1")
-        command = [sys.executable, "-m", "bench.triton_report", "--json",
-                   "--targets", *targets, "--dtypes", *dtypes,
-                   "--head-dims", *(str(d) for d in head_dims)]
         root = Path(__file__).resolve().parent.parent
-        done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"bench.triton_report failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        children = [subprocess.Popen([sys.executable, "-m", "bench.triton_report", "--json", "--targets", target,
+                                      "--dtypes", *dtypes, "--head-dims", *(str(d) for d in head_dims)],
+                                     env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for target in targets]
+        rows = []
+        for child in children:
+            try:
+                stdout, stderr = child.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for other in children:
+                    other.kill()
+                raise RuntimeError(f"bench.triton_report took more than {timeout} s") from None
+            if child.returncode != 0:
+                raise RuntimeError(f"bench.triton_report failed ({child.returncode}):\n{stderr[-4000:]}")
+            rows += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        return rows
 
 
 def _signature(fn, args, constexprs):

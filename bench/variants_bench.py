@@ -7,6 +7,8 @@ call it should be measured by, interleaved in one process with the same inputs a
   the non-causal call, whose work it nearly has (top-left causal at L_q < L_k sees only the first L_q
   keys, ~15× less work here).
 - Softcap (30) and ALiBi slopes at B=4, H=8, L=2048, D=64: against the plain call (target ≤ 1.15).
+- Padding passed as a bool attn_mask (B, 1, 1, L_k) at B=2, H=8, L=1024, D=64 (the second sequence
+  right-padded to 700 keys): against SDPA given the same mask, and against our key_padding_mask.
 
 Forward alone and forward+backward, fp32 and bf16. Medians over rounds of each time ratio.
 
@@ -79,6 +81,17 @@ def cap_alibi_candidates(heads):
     }
 
 
+def padding_candidates(batch, length):
+    cpu = dict(backend="cpu")
+    valid = torch.tensor([length, 700])[:batch]
+    attend = (torch.arange(length)[None, :] < valid[:, None])[:, None, None, :]
+    return {
+        "bool_mask": lambda q, k, v: fused_attn.attention(q, k, v, attend, **cpu),
+        "key_padding": lambda q, k, v: fused_attn.attention(q, k, v, key_padding_mask=~attend[:, 0, 0], **cpu),
+        "sdpa_mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attend),
+    }
+
+
 EXPERIMENTS = {
     # name: (shape B, H, L_q, L_k, D; candidates; [(numerator, denominator, label)])
     "window": ((1, 8, 8192, 8192, 64), lambda: window_candidates(8192, 8192, 256),
@@ -90,6 +103,9 @@ EXPERIMENTS = {
     "cap_alibi": ((4, 8, 2048, 2048, 64), lambda: cap_alibi_candidates(8),
                   [("softcap", "plain", "softcap / plain (target ≤ 1.15)"),
                    ("alibi", "plain", "ALiBi / plain (target ≤ 1.15)")]),
+    "padding_mask": ((2, 8, 1024, 1024, 64), lambda: padding_candidates(2, 1024),
+                     [("sdpa_mask", "bool_mask", "SDPA / bool mask"),
+                      ("key_padding", "bool_mask", "key_padding_mask / bool mask")]),
 }
 
 

@@ -103,6 +103,18 @@ def _check_key_padding_mask(key_padding_mask, query, key) -> None:
                          f"got {key_padding_mask.device}")
 
 
+def _padding_of(mask, key_padding_mask):
+    """A bool mask that varies only with the batch and the key, (B, 1, 1, L_k) as most libraries pass
+    padding, becomes key padding: (B, L_k), True = ignore, merged with `key_padding_mask`. The kernels
+    read key padding once per key block instead of once per score. Returns (mask, key_padding_mask)."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask, key_padding_mask
+    if any(mask.shape[dim] != 1 and mask.stride(dim) != 0 for dim in (1, 2)):
+        return mask, key_padding_mask
+    hidden = ~mask[:, 0, 0, :]
+    return None, hidden if key_padding_mask is None else hidden | key_padding_mask
+
+
 def _check_generator(generator, query) -> None:
     if generator is None:
         return
@@ -130,6 +142,7 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     variant = variant_of(query, causal_alignment, window_size, softcap, alibi_slopes)
     mask = _mask_view(attn_mask, query, key)
     _check_key_padding_mask(key_padding_mask, query, key)
+    mask, key_padding_mask = _padding_of(mask, key_padding_mask)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     problem = Problem.of(query, key, value, mask, key_padding_mask, is_causal, float(dropout_p), variant)
     chosen = registry.choose(problem, backend)

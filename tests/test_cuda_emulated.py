@@ -142,7 +142,7 @@ def test_emulated_matches_reference(emulated, name, dtype, rotation, generator):
 
 
 @pytest.mark.emulated_cuda
-@pytest.mark.parametrize("rotation", ROTATIONS)
+@pytest.mark.parametrize("rotation", [0, 2])  # the other three layouts: test_emulated_matches_reference
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(TRAINING_CASES))
 def test_emulated_dropout_and_mask_gradient(emulated, name, dtype, rotation, generator):

@@ -253,3 +253,20 @@ def test_gradient_through_lse_of_hidden_rows_is_zero_not_nan(generator):
     out, lse = eager(q, k, v, mask)
     grads = torch.autograd.grad(out.sum() + lse.masked_fill(lse.isinf(), 0).sum(), (q, k, v))
     assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_a_bool_mask_of_batch_and_keys_runs_as_key_padding(generator):
+    """(B, 1, 1, L_k) bool masks, as libraries pass padding, run as key_padding_mask (bit-identical
+    to it) and agree with the reference given the mask itself; merged with a key_padding_mask too."""
+    q = torch.randn(2, 3, 9, 8, generator=generator)
+    k, v = (torch.randn(2, 3, 13, 8, generator=generator) for _ in range(2))
+    attend = torch.rand(2, 1, 1, 13, generator=generator) > 0.3
+    padding = torch.rand(2, 13, generator=generator) < 0.2
+    as_mask = fused_attn.attention(q, k, v, attend, is_causal=True, backend="cpu")
+    as_padding = fused_attn.attention(q, k, v, key_padding_mask=~attend[:, 0, 0], is_causal=True, backend="cpu")
+    assert torch.equal(as_mask, as_padding)
+    torch.testing.assert_close(as_mask, fused_attn.attention(q, k, v, attend.expand(2, 3, 9, 13).clone(),
+                                                             is_causal=True, backend="reference"))
+    both = fused_attn.attention(q, k, v, attend, key_padding_mask=padding, backend="cpu")
+    expected = fused_attn.attention(q, k, v, attend & ~padding[:, None, None, :], backend="reference")
+    torch.testing.assert_close(both, expected)

@@ -107,7 +107,10 @@ CASES = {
     "mask_grad_2d_padding_lse": Case(mask="additive", mask_shape="2d", mask_grad=True, key_padding=True,
                                      lse_grad=True, mask_layout="sliced"),
     "mask_grad_hidden_rows": Case(mask="additive", mask_shape="batch", mask_grad=True, hidden_rows=True),
-    # The score variants (fused_attn.scores), together with each other and the features above.
+}
+
+# The score variants (fused_attn.scores), together with each other and the features above.
+VARIANT_CASES = {
     "window_causal_bottom_right_gqa": Case(len_q=23, len_k=57, heads_q=4, heads_kv=2, is_causal=True,
                                            causal_alignment="bottom_right", window=(19, -1)),
     "window_both_sides_dropout_padding": Case(len_q=45, len_k=45, window=(5, 11), dropout_p=0.3,
@@ -159,6 +162,18 @@ def _tiles(rotation: int) -> dict:
 def test_matches_reference(name, dtype, rotation, generator):
     case = CASES[name]
     inputs = make_inputs(case, dtype, rotation, generator)
+    with tk.forced_configs(**_tiles(rotation)):
+        results = run_backend(inputs)
+    testing.check_inputs(results, inputs)
+
+
+@pytest.mark.parametrize("rotation", [0, 1])  # small tiles, then the default ones
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_score_variants_match_reference(name, dtype, rotation, generator):
+    """Windows (key blocks outside skipped), bottom-right alignment, softcap and ALiBi, drawn together
+    with masks, dropout, learned biases and GQA."""
+    inputs = make_inputs(VARIANT_CASES[name], dtype, rotation, generator)
     with tk.forced_configs(**_tiles(rotation)):
         results = run_backend(inputs)
     testing.check_inputs(results, inputs)
