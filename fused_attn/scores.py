@@ -24,6 +24,7 @@ import math
 import numbers
 
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 UNBOUNDED = -1
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -130,10 +131,6 @@ def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap,
 def causal_bias_variant(attn_mask, query: torch.Tensor, key: torch.Tensor) -> str | None:
     """The alignment a `torch.nn.attention.bias.CausalBias` given as attn_mask stands for ("top_left"
     or "bottom_right"), or None when attn_mask is not one."""
-    try:
-        from torch.nn.attention.bias import CausalBias, CausalVariant
-    except ImportError:  # a torch without it cannot have made one
-        return None
     if not isinstance(attn_mask, CausalBias):
         return None
     expected = (query.shape[2], key.shape[2])

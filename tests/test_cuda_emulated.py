@@ -114,13 +114,11 @@ class EmulatedBackend:
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
                 variant=PLAIN):
-        registry.get("cuda").check_variant(variant, is_causal)
         return self.module.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
                                    *dropout_args(dropout), *variant.op_args())
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
                  grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
-        registry.get("cuda").check_variant(variant, is_causal)
         return self.module.backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                                     grad_out, grad_lse, *dropout_args(dropout), grad_mask, *variant.op_args())
 
