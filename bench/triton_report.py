@@ -2,7 +2,7 @@
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
 bf16; head dims 64 and 128; causal and not, causal with dropout, causal with every score variant of
-fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi), and for dK/dV
+fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi) with key padding, and for dK/dV
 causal with dropout and the gradient of a learned additive bias, alone and with the score variants)
 for sm_80 and sm_90 with Triton's
 own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
@@ -44,7 +44,7 @@ MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 PREPROCESS_CONFIG = "BLOCK_M={block_m},warps={warps},stages=1"
 # (causal, dropout, bias_grad, scores) variants of the kernels with products; the preprocess depends on
 # none. bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel only; scores
-# is every score variant at once (window, bottom-right alignment, softcap, ALiBi).
+# is every score variant at once (window, bottom-right alignment, softcap, ALiBi) and key padding.
 VARIANTS = ((False, False, False, False), (True, False, False, False), (True, True, False, False),
             (True, False, False, True))
 
@@ -131,18 +131,20 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     # A learned (1, H, L, L) bias, broadcast over the batch, and its dense gradient.
     bias = torch.empty(1, heads, length, length, dtype=dtype).expand(batch, -1, -1, -1) if bias_grad else None
     grad_bias = torch.empty(batch, heads, length, length, dtype=dtype) if bias_grad else None
-    # Every score variant at once: a bottom-right window, a softcap, ALiBi slopes (B, H_q).
+    # Every score variant at once: a bottom-right window, a softcap, ALiBi slopes (B, H_q); with them,
+    # key padding and its per-row span of keys.
     variant = (ScoreVariant(bottom_right=True, window_left=128, window_right=0, softcap=30.0,
                             alibi_slopes=torch.empty(batch, heads)) if scores else PLAIN)
+    padding = torch.zeros(batch, length, dtype=torch.bool) if scores else None
     if kernel == "fwd":
-        args, constexprs = tk.forward_args(q, k, v, None, None, causal, scale, out, lse, drop, variant)
+        args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant)
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
         config = PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"], warps=tk.PREPROCESS_WARPS)
         return tk.KERNELS[kernel], args, constexprs, config, dtype
     else:
         grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
-        args, constexprs = tk.backward_args(kernel, q, k, v, bias, None, causal, scale, grad_out, lse, delta,
+        args, constexprs = tk.backward_args(kernel, q, k, v, bias, padding, causal, scale, grad_out, lse, delta,
                                             grads, drop, grad_bias, variant)
     return tk.KERNELS[kernel], args, constexprs, None, dtype
 

@@ -9,6 +9,7 @@ from torch import nn
 from .backends import reference
 from .dropout import Dropout, next_rng
 from .functional import _split_heads, split_heads_attention
+from .scores import variant_of
 
 
 def _attend_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -38,17 +39,39 @@ class MultiheadAttention(nn.MultiheadAttention):
     the hint says, and the causal kernel runs instead of reading it). `backend` selects a fused_attn
     backend for this module (default: automatic).
 
+    The score variants of `fused_attn.attention` are the module's own, set at construction:
+    `causal_alignment`, `window_size`, `softcap` and `alibi_slopes` ((num_heads,) float32, kept as a
+    buffer outside the state dict, so state dicts stay those of nn.MultiheadAttention). The weights
+    returned with `need_weights` include them.
+
     In self-attention the three projections are one GEMM into a packed (…, 3E) tensor whose slices
     the kernel reads in place; the kernel writes the merged (…, E) layout the out-projection reads.
     """
 
-    def __init__(self, embed_dim, num_heads, *args, backend: str | None = None, **kwargs):
+    def __init__(self, embed_dim, num_heads, *args, backend: str | None = None,
+                 causal_alignment: str = "top_left", window_size=None, softcap: float | None = None,
+                 alibi_slopes: torch.Tensor | None = None, **kwargs):
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
         if not isinstance(embed_dim, int) or embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim: expected a multiple of num_heads={num_heads}, got {embed_dim!r}")
         super().__init__(embed_dim, num_heads, *args, **kwargs)
         self.backend = backend
+        self.causal_alignment, self.window_size, self.softcap = causal_alignment, window_size, softcap
+        # Checked now, as a call of this module's heads would check them, rather than at the first call.
+        if isinstance(alibi_slopes, torch.Tensor) and tuple(alibi_slopes.shape) != (num_heads,):
+            raise ValueError(f"alibi_slopes: expected shape (num_heads,) = ({num_heads},), got "
+                             f"{tuple(alibi_slopes.shape)}")
+        device = alibi_slopes.device if isinstance(alibi_slopes, torch.Tensor) else None
+        variant_of(torch.empty(1, num_heads, 0, 0, device=device), causal_alignment, window_size, softcap,
+                   alibi_slopes)
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+
+    def _variant_keywords(self) -> dict:
+        """The module's score variant as `attention`'s keywords (defaults for a replaced module)."""
+        return dict(causal_alignment=getattr(self, "causal_alignment", "top_left"),
+                    window_size=getattr(self, "window_size", None), softcap=getattr(self, "softcap", None),
+                    alibi_slopes=getattr(self, "alibi_slopes", None))
 
     def _project(self, query, key, value):
         """In-projections; self-attention is one GEMM whose (…, 3E) output is sliced, not copied."""
@@ -107,6 +130,7 @@ class MultiheadAttention(nn.MultiheadAttention):
 
         dropout_p = self.dropout if self.training else 0.0
         options = dict(attn_mask=attn_mask, is_causal=is_causal, key_padding_mask=padding)
+        variant = self._variant_keywords()
         weights = None
         if need_weights and dropout_p > 0.0:
             # The weights returned must be the ones (after dropout) that multiplied the values.
@@ -114,14 +138,14 @@ class MultiheadAttention(nn.MultiheadAttention):
                      for n, t in (("query", q), ("key", k), ("value", v))]
             dropout = Dropout(dropout_p, next_rng(q.device))
             out, _, weights = reference.attention(*heads, attn_mask, padding, is_causal, None, dropout,
-                                                  return_weights=True)
+                                                  return_weights=True, variant=variant_of(heads[0], **variant))
             out = out.permute(0, 2, 1, 3) if self.batch_first else out.permute(2, 0, 1, 3)
             out = out.flatten(2)
         else:
             out = split_heads_attention(q, k, v, self.num_heads, dropout_p=dropout_p,
-                                        batch_first=self.batch_first, backend=self.backend, **options)
+                                        batch_first=self.batch_first, backend=self.backend, **options, **variant)
             if need_weights:
-                weights = self._weights(q, k, **options)
+                weights = self._weights(q, k, **options, variant=variant)
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
 
         if weights is not None and average_attn_weights:
@@ -167,11 +191,12 @@ class MultiheadAttention(nn.MultiheadAttention):
             attn_mask = torch.zeros_like(attn_mask, dtype=dtype).masked_fill(~attn_mask, float("-inf"))
         return attn_mask + additive, None
 
-    def _weights(self, q, k, attn_mask, is_causal, key_padding_mask):
+    def _weights(self, q, k, attn_mask, is_causal, key_padding_mask, variant):
         """The attention weights (N, H, L, S): a second, unfused pass over the scores."""
         q_heads = _split_heads("query", q, self.num_heads, self.batch_first)
         k_heads = _split_heads("key", k, self.num_heads, self.batch_first)
-        scores = reference.masked_scores(q_heads, k_heads, attn_mask, key_padding_mask, is_causal)
+        scores = reference.masked_scores(q_heads, k_heads, attn_mask, key_padding_mask, is_causal,
+                                         variant=variant_of(q_heads, **variant))
         return reference.probabilities(scores)
 
 

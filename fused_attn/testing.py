@@ -250,6 +250,14 @@ def rotated_layouts(rotation: int) -> dict[str, str]:
     return {name: LAYOUTS[(rotation + i) % len(LAYOUTS)] for i, name in enumerate(LAID_OUT)}
 
 
+def dtype_rotations(dtypes, every_layout_dtype, rotations) -> list[tuple[torch.dtype, int]]:
+    """(dtype, rotation) pairs for a test: every dtype with `rotations`, and `every_layout_dtype` also
+    with the other rotations, so that across the pairs every tensor still meets every layout (a
+    kernel reads strides the same way whatever the dtype)."""
+    pairs = [(dtype, rotation) for dtype in dtypes for rotation in rotations]
+    return pairs + [(every_layout_dtype, rotation) for rotation in range(len(LAYOUTS)) if rotation not in rotations]
+
+
 def laid_out_mask(values: torch.Tensor, layout: str, generator=None) -> torch.Tensor:
     """`values` in its own storage: as is ("contiguous"), its last two dims transposed in memory
     ("transposed"), or every other element of a wider tensor of garbage ("sliced")."""
@@ -357,8 +365,19 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
         mask = laid_out_mask(values.to(device), case.mask_layout, generator)
     padding = None
     if case.key_padding:
+        # Each batch row padded as users pad: keys missing at the end (right padding), at the start
+        # (left padding), or scattered; the shapes rotate over the rows from a random first one.
         # Every other column of (L_k, 2B) storage, transposed: (B, L_k) with no unit stride.
         hidden = torch.rand(case.len_k, 2 * case.batch, generator=generator) < 0.25
+        kept = torch.randint(0, case.len_k + 1, (case.batch,), generator=generator).tolist()
+        first_shape = int(torch.randint(0, 3, (), generator=generator))
+        position = torch.arange(case.len_k)
+        for b in range(case.batch):
+            shape = (first_shape + b) % 3
+            if shape == 0:
+                hidden[:, 2 * b] = position >= kept[b]
+            elif shape == 1:
+                hidden[:, 2 * b] = position < case.len_k - kept[b]
         if case.hidden_rows:
             hidden[:, 0] = True  # the whole first batch sees no key
         padding = hidden.to(device)[:, ::2].t()
@@ -421,6 +440,28 @@ def run_backend(backend, inputs: Inputs, out_layout: str | None = None) -> Resul
     if grad_mask is not None:
         grad_mask = grad_mask.sum_to_size(inputs.attn_mask.shape)
     return Results(out, lse, dq, dk, dv, grad_mask)
+
+
+def check_padding_is_not_read(backend, dtype: torch.dtype, generator, margin: int = 0,
+                              device="cpu") -> dict[str, tuple[float, float]]:
+    """Keys that a batch row's padding leaves outside its span of unpadded keys, further than `margin`
+    from it, are never read by `backend` (Backend.forward / backward): K and V poisoned with NaN there
+    give the results of clean ones. Row 0 is left-padded, row 1 right-padded. `margin` allows for
+    kernels that read whole key blocks at the span's edges (masking the padded keys of those)."""
+    len_k = 2 * margin + 60
+    case = Case(batch=2, heads_q=2, heads_kv=1, len_q=19, len_k=len_k, dim_qk=16, key_padding=True)
+    inputs = random_inputs(case, dtype, 0, generator, device)
+    first, end = margin + 13, len_k - margin - 11
+    padding = torch.zeros(2, len_k, dtype=torch.bool)
+    padding[0, :first] = True
+    padding[1, end:] = True
+    inputs = dataclasses.replace(inputs, key_padding_mask=padding.to(device))
+    expected = reference_for(inputs, torch.float64), reference_for(inputs, dtype)
+    with torch.no_grad():
+        for tensor in (inputs.key, inputs.value):
+            tensor[0, :, :first - margin] = float("nan")
+            tensor[1, :, end + margin:] = float("nan")
+    return assert_close_to_reference(run_backend(backend, inputs), *expected, dtype)
 
 
 def run_attention(inputs: Inputs, backend: str) -> Results:

@@ -381,6 +381,45 @@ def test_score_variants_meet_criterion(generator, small_blocks, name, dtype, rot
     testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
 
 
+# Few query rows (L_q <= 16) take the decode path: a key/value head's whole query group in one item
+# (test_no_keys_and_empty_batch covers it without keys).
+DECODE_CASES = {
+    "one_token_gqa": testing.Case(len_q=1, len_k=77, heads_q=8, heads_kv=2, key_padding=True),
+    "three_tokens_bottom_right": testing.Case(len_q=3, len_k=90, heads_q=4, heads_kv=1, is_causal=True,
+                                              causal_alignment="bottom_right", window=(40, -1), alibi="batch"),
+    "sixteen_tokens_everything": testing.Case(len_q=16, len_k=61, heads_q=6, heads_kv=3, is_causal=True,
+                                              causal_alignment="bottom_right", softcap=3.0, mask="additive",
+                                              mask_shape="2d", key_padding=True, dropout_p=0.25, lse_grad=True,
+                                              dim_qk=20, dim_v=12),
+    "top_left_hidden_rows": testing.Case(len_q=5, len_k=40, is_causal=True, mask="bool", mask_shape="batch",
+                                         hidden_rows=True),
+}
+
+
+@pytest.mark.parametrize("rotation", [0, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_path_meets_criterion(generator, small_blocks, name, dtype, rotation):
+    inputs = testing.random_inputs(DECODE_CASES[name], dtype, rotation, generator)
+    testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("len_k", [1100, 2100])
+def test_decode_splits_the_keys_of_a_lone_head(generator, dtype, len_k):
+    """One batch row and one key/value head on two threads: the keys are split (two or four ways) and
+    the partial results merged; with dropout, padding at both ends and a window."""
+    case = testing.Case(batch=1, heads_q=3, heads_kv=1, len_q=2, len_k=len_k, dim_qk=32, key_padding=True,
+                        dropout_p=0.1, window=(len_k // 2, -1), causal_alignment="bottom_right", lse_grad=True)
+    inputs = testing.random_inputs(case, dtype, 1, generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("block_k", ["7", "64", "512"])
 def test_windows_across_block_sizes(generator, monkeypatch, block_k):
     """Windows narrower and wider than a key block, and bottom-right rows that start mid-block."""
@@ -390,6 +429,13 @@ def test_windows_across_block_sizes(generator, monkeypatch, block_k):
         case = testing.Case(len_q=90, len_k=150, window=window, causal_alignment="bottom_right", alibi="heads")
         inputs = testing.random_inputs(case, torch.float32, 2, generator)
         testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_keys_outside_the_padding_span_are_never_read(generator, small_blocks, dtype):
+    """Left and right padding narrow the keys visited, to the key: NaN keys and values beyond a row's
+    first and last unpadded key change nothing, forward and backward."""
+    testing.check_padding_is_not_read(registry.get("cpu"), dtype, generator)
 
 
 def test_refusals():
@@ -461,6 +507,25 @@ def test_bad_block_environment_raises(monkeypatch):
     monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_Q", "zero")
     with pytest.raises(RuntimeError, match="FUSED_ATTN_CPU_BLOCK_Q"):
         bad_call()()
+
+
+@pytest.mark.parametrize("name", ["FUSED_ATTN_CPU_DECODE", "FUSED_ATTN_CPU_BRGEMM"])
+def test_bad_switch_environment_raises(monkeypatch, name):
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(RuntimeError, match=name):
+        bad_call()()
+
+
+def test_decode_switch_chooses_the_kernels_and_not_the_result(generator, monkeypatch):
+    """FUSED_ATTN_CPU_DECODE=0 runs the long-query forward on a decode call: the same result within
+    float rounding (the products are grouped differently)."""
+    case = testing.Case(len_q=1, len_k=300, heads_q=8, heads_kv=2, key_padding=True)
+    inputs = testing.random_inputs(case, torch.float32, 0, generator)
+    decoded = testing.run_attention(inputs, "cpu")
+    monkeypatch.setenv("FUSED_ATTN_CPU_DECODE", "0")
+    long_query = testing.run_attention(inputs, "cpu")
+    torch.testing.assert_close(decoded.out, long_query.out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(decoded.lse, long_query.lse, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -101,8 +101,10 @@ VARIANT_CASES = {
 }
 ALL_CASES = {**CASES, **LARGE_HEAD_CASES, **TRAINING_CASES, **VARIANT_CASES}
 # Rotations of the tensor layouts: two by default, the other three marked slow.
-ROTATIONS = [rotation if rotation in (0, 2) else pytest.param(rotation, marks=pytest.mark.slow)
-             for rotation in range(len(LAYOUTS))]
+# Every dtype with rotations 0 and 2; fp16 also with the other three, so that every tensor meets
+# every layout.
+DTYPE_ROTATIONS = [pytest.param(dtype, rotation, id=f"{str(dtype).removeprefix('torch.')}-{rotation}")
+                   for dtype, rotation in testing.dtype_rotations(DTYPES, torch.float16, (0, 2))]
 
 
 class EmulatedBackend:
@@ -131,8 +133,7 @@ def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
 # ---- emulated on the CPU ---------------------------------------------------------------------------
 
 @pytest.mark.emulated_cuda
-@pytest.mark.parametrize("rotation", ROTATIONS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,rotation", DTYPE_ROTATIONS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_emulated_matches_reference(emulated, name, dtype, rotation, generator):
     inputs = testing.random_inputs(CASES[name], dtype, rotation, generator)
@@ -195,6 +196,13 @@ def test_emulated_many_tiles(emulated, dtype, generator):
                 mask_shape="2d", mask_layout="transposed", key_padding=True, lse_grad=True, scale=0.125)
     inputs = testing.random_inputs(case, dtype, 3, generator)
     testing.check_inputs(run_emulated(emulated, inputs), inputs)
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_key_blocks_outside_the_padding_span_are_never_read(emulated, generator):
+    """Key blocks of padding only are skipped (the span, AttentionParams::key_spans): NaN keys and
+    values further than a block (at most 64 keys) from a row's unpadded keys change nothing."""
+    testing.check_padding_is_not_read(EmulatedBackend(emulated), torch.float16, generator, margin=64)
 
 
 @pytest.mark.emulated_cuda

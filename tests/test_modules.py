@@ -254,3 +254,64 @@ def test_default_encoder_trains_on_the_fused_kernels_with_dropout(generator, mon
     for a, b in zip(first[1], second[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(first[0], other[0])
+
+
+def unfused_with_variant(module, query, key, value, key_padding_mask, is_causal, batch_first, **variant):
+    """The module's computation written out: projections, the reference attention with `variant`,
+    merged heads, out-projection; and the weights (B, H, L_q, L_k)."""
+    embed = module.embed_dim
+    weights = module.in_proj_weight.chunk(3)
+    biases = module.in_proj_bias.chunk(3)
+    projected = [torch.nn.functional.linear(t, w, b) for t, w, b in zip((query, key, value), weights, biases)]
+    heads = [fused_attn.functional._split_heads(n, t, HEADS, batch_first)
+             for n, t in zip(("query", "key", "value"), projected)]
+    scores = fused_attn.backends.reference.masked_scores(
+        *heads[:2], None, key_padding_mask, is_causal, variant=fused_attn.scores.variant_of(heads[0], **variant))
+    probs = fused_attn.backends.reference.probabilities(scores)
+    out = probs @ heads[2]
+    out = out.permute(0, 2, 1, 3) if batch_first else out.permute(2, 0, 1, 3)
+    return module.out_proj(out.flatten(2)), probs
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("draw", range(4))
+def test_score_variants_of_the_module(generator, batch_first, draw):
+    """The module's own causal_alignment, window, softcap and ALiBi, drawn together, in its output,
+    weights and gradients, against the module's computation written out with the reference."""
+    choice = torch.Generator().manual_seed(draw)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=choice))]
+
+    variant = dict(causal_alignment=pick(["top_left", "bottom_right"]),
+                   window_size=pick([None, (2, 1), (3, 0), (0, -1)]), softcap=pick([None, 1.5, 20.0]),
+                   alibi_slopes=pick([None, torch.rand(HEADS, generator=generator, dtype=torch.float32)]))
+    is_causal = bool(pick([False, True]))
+    torch.manual_seed(draw)
+    module = fused_attn.MultiheadAttention(EMBED, HEADS, batch_first=batch_first, dtype=torch.float64,
+                                           backend="cpu", **variant)
+    query = sequence(generator, LEN_Q, EMBED, batch_first)
+    memory = sequence(generator, LEN_K, EMBED, batch_first)
+    padding = torch.zeros(BATCH, LEN_K, dtype=torch.bool)
+    padding[1, LEN_K - 2:] = True
+    out, weights = module(query, memory, memory, key_padding_mask=padding, is_causal=is_causal,
+                          average_attn_weights=False)
+    expected, expected_weights = unfused_with_variant(module, query, memory, memory, padding, is_causal,
+                                                      batch_first, **variant)
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-9, atol=1e-10)
+    grads = torch.autograd.grad(out.square().sum(), [query, memory, module.in_proj_weight])
+    expected_grads = torch.autograd.grad(expected.square().sum(), [query, memory, module.in_proj_weight])
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-8, atol=1e-9)
+
+
+def test_module_variant_arguments_are_checked_at_construction():
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        fused_attn.MultiheadAttention(EMBED, HEADS, alibi_slopes=torch.ones(2, HEADS))
+    with pytest.raises(TypeError, match="window_size"):
+        fused_attn.MultiheadAttention(EMBED, HEADS, window_size=(1, 2, 3))
+    with pytest.raises(ValueError, match="softcap"):
+        fused_attn.MultiheadAttention(EMBED, HEADS, softcap=-1.0)
+    module = fused_attn.MultiheadAttention(EMBED, HEADS, alibi_slopes=torch.ones(HEADS))
+    assert "alibi_slopes" not in module.state_dict()

@@ -108,6 +108,30 @@ Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, 
   return p;
 }
 
+// The key padding as one range of keys per batch row (Params::key_spans), written to `spans`; the
+// padding row itself stays in `p` only where a padded key lies inside its row's range.
+void describe_padding_spans(Params& p, std::vector<int64_t>& spans) {
+  if (p.key_padding.data == nullptr) return;
+  spans.assign(2 * p.batch, 0);
+  bool holes = false;
+  const bool* padding = static_cast<const bool*>(p.key_padding.data);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    int64_t first = p.len_k, end = 0, kept = 0;
+    for (int64_t j = 0; j < p.len_k; ++j) {
+      if (!padding[b * p.key_padding.s[0] + j * p.key_padding.s[1]]) {
+        first = std::min(first, j);
+        end = j + 1;
+        ++kept;
+      }
+    }
+    spans[2 * b] = first;
+    spans[2 * b + 1] = std::max(first, end);
+    holes = holes || kept != spans[2 * b + 1] - first;
+  }
+  p.key_spans = spans.data();
+  if (!holes) p.key_padding.data = nullptr;
+}
+
 // The call's dropout: probability in [0, 1) and, when it is above 0, its (seed, offset) as an int64
 // CPU tensor of two elements (fused_attn/dropout.py draws it).
 fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
@@ -177,17 +201,23 @@ bool float_brgemm_usable() {
   return usable;
 }
 
+// An on/off switch of the environment: unset or empty is `fallback`.
+bool env_flag(const char* name, bool fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  const std::string value = text;
+  TORCH_CHECK(value == "0" || value == "1", name, ": expected 0 or 1, got '", value, "'");
+  return value == "1";
+}
+
 void choose_tiling(Params& p, bool backward) {
   // Larger query blocks amortise the packing of each key block over more rows; the forward keeps
   // a (block_q × block_k) score block per thread in L2.
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
   p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
-  const char* brgemm = std::getenv("FUSED_ATTN_CPU_BRGEMM");
-  const bool brgemm_off = brgemm != nullptr && std::string(brgemm) == "0";
-  TORCH_CHECK(brgemm == nullptr || brgemm_off || std::string(brgemm) == "1" || *brgemm == '\0',
-              "FUSED_ATTN_CPU_BRGEMM: expected 0 or 1, got '", brgemm, "'");
   // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
-  p.use_brgemm = !brgemm_off && p.dtype != Dtype::Float64 && float_brgemm_usable();
+  p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && float_brgemm_usable();
+  p.use_decode = env_flag("FUSED_ATTN_CPU_DECODE", true);
 }
 
 // The kernels for the best instruction set of this CPU, as ATen judges it (at::get_cpu_capability()
@@ -236,6 +266,8 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
   describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes);
+  std::vector<int64_t> spans;
+  describe_padding_spans(p, spans);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
   fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key}, {"value", &value}});
   p.out = view_of(out);
@@ -259,6 +291,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
   describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes);
+  std::vector<int64_t> spans;
+  describe_padding_spans(p, spans);
   const auto dtype = query.scalar_type();
   const auto stat_dtype = lse_dtype(dtype);
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, dtype);

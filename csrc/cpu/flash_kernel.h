@@ -4,8 +4,8 @@
 // at::vec::Vectorized is the vector type of that instruction set; everything here lives in
 // fused_attn_cpu::CPU_CAPABILITY, so the copies never share a symbol.
 //
-// Forward: work items are (batch, query head, group of up to 8 query blocks), spread over threads by
-// at::parallel_for. Each key block is packed once per item and met by the item's query blocks in
+// Forward: work items are (batch, query head, group of up to 8 query blocks), handed to ATen's threads
+// one at a time (parallel_items). Each key block is packed once per item and met by the item's query blocks in
 // turn: S = Q Kᵀ, online softmax (running max m, running sum l, the output accumulator rescaled by
 // exp(m_old - m_new)), O += P V. Scores exist one block at a time, so memory grows with the block
 // sizes, never with L_q × L_k. Causal attention stops at the last key block an item can see and
@@ -31,12 +31,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "flash_params.h"
 
@@ -86,6 +88,22 @@ class Scratch {
   char* base_;
   size_t used_ = 0;
 };
+
+// Work items of unequal cost (padded batch rows, causal and windowed query blocks) handed to ATen's
+// threads one at a time, each thread taking the next as it finishes the last, instead of in equal
+// contiguous shares, where a thread with the cheap share waits idle for one with the dear share.
+// `worker(next_item)` runs once per thread; next_item() gives an item index, or -1 when none is left.
+// Items write disjoint outputs, so which thread runs one changes no result.
+template <typename Worker>
+void parallel_items(int64_t count, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  const auto next_item = [&] {
+    const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+    return item < count ? item : int64_t(-1);
+  };
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1,
+                   [&](int64_t, int64_t) { worker(next_item); });
+}
 
 // ---------------------------------------------------------------------------------------------
 // Matrix products: C[M×N] (= or +=) A[M×K] · B[K×N], row-major with leading dimensions.
@@ -315,25 +333,32 @@ acc_t row_max_of(const acc_t* s, int64_t n) {
 }
 
 // Whether the scores need nothing but the scale, which the exp can then apply (a positive scale
-// keeps the row max of the unscaled scores). A window needs nothing per score: it only narrows the
-// keys a row visits (visible_keys).
+// keeps the row max of the unscaled scores). A window, and padding that key_spans describes, need
+// nothing per score: they only narrow the keys a row visits (visible_keys).
 inline bool scores_are_plain(const Params& p) {
   return p.mask_kind == MaskKind::None && p.key_padding.data == nullptr && p.scale > 0 && p.softcap == 0.0 &&
          p.alibi.data == nullptr;
 }
 
-// The keys query qi sees, [first, end), from the window and the diagonal (fused_attn/scores.py); the
-// masks may hide more of them. Both bounds grow with qi, so rows [q0, q1] see keys within
-// [visible_keys(q0).first, visible_keys(q1).end).
+// The keys query qi sees, [first, end), from the window, the diagonal and `span`, the range of keys
+// its batch row's padding leaves (key_span); the masks may hide more of them. Both bounds grow with
+// qi, so rows [q0, q1] see keys within [visible_keys(q0).first, visible_keys(q1).end).
 struct KeyRange {
   int64_t first, end;
 };
 
-inline KeyRange visible_keys(const Params& p, int64_t qi) {
+inline KeyRange key_span(const Params& p, int64_t b) {
+  if (p.key_spans == nullptr) return {0, p.len_k};
+  return {p.key_spans[2 * b], p.key_spans[2 * b + 1]};
+}
+
+inline KeyRange visible_keys(const Params& p, int64_t qi, KeyRange span) {
   const int64_t diagonal = qi + p.diagonal;
-  const int64_t first = p.window_left < 0 ? 0 : std::clamp<int64_t>(diagonal - p.window_left, 0, p.len_k);
-  const int64_t end = p.window_right < 0 ? p.len_k : std::clamp<int64_t>(diagonal + p.window_right + 1, 0, p.len_k);
-  return {first, std::max(first, end)};
+  int64_t first = span.first, end = span.end;
+  if (p.window_left >= 0) first = std::max(first, diagonal - p.window_left);
+  if (p.window_right >= 0) end = std::min(end, diagonal + p.window_right + 1);
+  first = std::clamp<int64_t>(first, 0, p.len_k);
+  return {first, std::clamp<int64_t>(end, first, p.len_k)};
 }
 
 // The queries that see some key of [k_first, k_end) through the window: [first, end).
@@ -346,47 +371,111 @@ inline KeyRange queries_seeing(const Params& p, int64_t k_first, int64_t k_end) 
   return {first, std::max(first, end)};
 }
 
-// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 1]: ATen's exp_u20 (2 ulp) for
-// float, several times cheaper than Sleef's tanh; float64 keeps Sleef's.
+// 1 / d for d in [1, 2]: the hardware estimate (14 bits on AVX512, 12 on AVX2) and one Newton step,
+// within an ulp or two of the quotient at a fraction of vdivps's cost; other types divide.
+template <typename acc_t>
+inline Vectorized<acc_t> reciprocal_of(Vectorized<acc_t> d) {
+  using V = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const V r(_mm512_rcp14_ps(d));
+    return r * at::vec::fnmadd(d, r, V(2.f));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const V r(_mm256_rcp_ps(d));
+    return r * at::vec::fnmadd(d, r, V(2.f));
+#endif
+  }
+  return V(acc_t(1)) / d;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 2^t for -64 <= t <= 0 within 3 ulp: vreduceps gives t's fraction, a degree-5 polynomial (fitted to
+// 2^f on [0, 1], relative error 7.5e-8) its power, vscalefps applies the integer part. Half the
+// instructions of ATen's exp_u20, which also handles what t never is here (large, -inf, NaN).
+inline Vectorized<float> exp2_bounded(Vectorized<float> t) {
+  const __m512 fraction = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);
+  __m512 p = _mm512_fmadd_ps(fraction, _mm512_set1_ps(0.0018775766f), _mm512_set1_ps(0.0089893406f));
+  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.055826318f));
+  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.24015361f));
+  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.69315308f));
+  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.99999994f));
+  return _mm512_scalef_ps(p, t);
+}
+#endif
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 1], several times cheaper than
+// Sleef's tanh: e from exp2_bounded on AVX512 (past |x| = 22, e < 2^-64 leaves tanh at 1 in float),
+// from ATen's exp_u20 elsewhere; float64 keeps Sleef's.
 template <typename acc_t>
 inline Vectorized<acc_t> tanh_of(Vectorized<acc_t> x) {
   using V = Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const V e = exp2_bounded(at::vec::maximum(x.abs() * V(-2.8853900817779268f), V(-64.f)));
+#else
     const V e = (x.abs() * V(-2.f)).exp_u20();
-    const V t = (V(1.f) - e) / (V(1.f) + e);
-    return V::blendv(t, V(0.f) - t, x < V(0.f));
+#endif
+    const V magnitude = (V(1.f) - e) * reciprocal_of<acc_t>(V(1.f) + e);
+    return magnitude | (x & V(-0.f));  // the sign of x on a non-negative magnitude
   } else {
     return x.tanh();
   }
 }
 
-// Scores of one row, keys k0 .. k0 + n, as the softmax takes them (fused_attn/scores.py):
-// s[j] = cap(s[j] * scale) - slope * |qi + diagonal - key| + additive mask, or -inf where hidden;
-// the scale, the cap and ALiBi in one pass. With `cap_grad`, also the derivative of the cap there,
-// 1 - tanh², for the backward. Returns the row maximum.
-template <typename acc_t, typename scalar_t>
-acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t b, int64_t h,
-                     int64_t qi, int64_t k0, acc_t* cap_grad = nullptr) {
+// The score variant of one row in one pass: s[i] = cap(s[i] * scale) - slope * |distance0 - i|,
+// where distance0 is the first key's distance from the query's diagonal; with `cap_grad`, also the
+// cap's derivative 1 - tanh² for the backward. Compiled per combination, so the loop holds only what
+// the call has. Returns the row maximum.
+template <bool kCapped, bool kAlibi, typename acc_t>
+acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope, acc_t distance0, acc_t* cap_grad) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
-  const V vscale(scale);
-  const bool capped = p.softcap > 0.0, alibi = p.alibi.data != nullptr;
-  const V cap(static_cast<acc_t>(p.softcap)), inv_cap(capped ? acc_t(1) / static_cast<acc_t>(p.softcap) : acc_t(0));
-  const V slope(alibi ? static_cast<const float*>(p.alibi.data)[b * p.alibi.s[0] + h * p.alibi.s[1]] : 0.f);
-  // Key k0 + i lies qi + diagonal - k0 - i from the query's diagonal: distance0 - lane per vector.
-  const acc_t distance0 = static_cast<acc_t>(qi + p.diagonal - k0);
-  const V lanes = V::arange(acc_t(0), acc_t(1));
+  // Capped, the scale and the division by the cap are one multiply.
+  const V vscale(kCapped ? scale / softcap : scale), cap(softcap), vslope(slope);
+  // The distances of the vector's lanes, moved W keys along per vector.
+  V distance = V(distance0) - V::arange(acc_t(0), acc_t(1));
+  V vmax(neg_inf<acc_t>());
   for (int64_t i = 0; i < n; i += W) {
     const int64_t count = std::min<int64_t>(W, n - i);
     V x = V::loadu(s + i, count) * vscale;
-    if (capped) {
-      const V t = tanh_of<acc_t>(x * inv_cap);
+    if constexpr (kCapped) {
+      const V t = tanh_of<acc_t>(x);
       x = cap * t;
-      if (cap_grad != nullptr) (V(acc_t(1)) - t * t).store(cap_grad + i, count);
+      if (cap_grad != nullptr) at::vec::fnmadd(t, t, V(acc_t(1))).store(cap_grad + i, count);
     }
-    if (alibi) x = x - slope * (V(distance0 - static_cast<acc_t>(i)) - lanes).abs();
+    if constexpr (kAlibi) {
+      x = at::vec::fnmadd(vslope, distance.abs(), x);
+      distance = distance - V(acc_t(W));
+    }
     x.store(s + i, count);
+    // Lanes past n must not reach the maximum.
+    vmax = at::vec::maximum(vmax, count == W ? x : V::set(V(neg_inf<acc_t>()), x, count));
   }
+  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, vmax);
+}
+
+// Scores of one row, keys k0 .. k0 + n, as the softmax takes them (fused_attn/scores.py):
+// s[j] = cap(s[j] * scale) - slope * |qi + diagonal - key| + additive mask, or -inf where hidden.
+// With `cap_grad`, also the derivative of the cap there, 1 - tanh², for the backward. Returns the
+// row maximum.
+template <typename acc_t, typename scalar_t>
+acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t b, int64_t h,
+                     int64_t qi, int64_t k0, acc_t* cap_grad = nullptr) {
+  const bool capped = p.softcap > 0.0, alibi = p.alibi.data != nullptr;
+  const acc_t softcap = static_cast<acc_t>(p.softcap);
+  const acc_t slope = alibi ? static_cast<const float*>(p.alibi.data)[b * p.alibi.s[0] + h * p.alibi.s[1]] : 0.f;
+  const acc_t distance0 = static_cast<acc_t>(qi + p.diagonal - k0);
+  acc_t row_max;
+  if (capped && alibi) {
+    row_max = variant_pass<true, true>(s, n, scale, softcap, slope, distance0, cap_grad);
+  } else if (capped) {
+    row_max = variant_pass<true, false>(s, n, scale, softcap, slope, distance0, cap_grad);
+  } else if (alibi) {
+    row_max = variant_pass<false, true>(s, n, scale, softcap, slope, distance0, cap_grad);
+  } else {
+    row_max = variant_pass<false, false>(s, n, scale, softcap, slope, distance0, cap_grad);
+  }
+  if (p.mask_kind == MaskKind::None && p.key_padding.data == nullptr) return row_max;
   if (p.mask_kind != MaskKind::None) {
     const int64_t step = p.mask.s[3];
     const int64_t offset = b * p.mask.s[0] + h * p.mask.s[1] + qi * p.mask.s[2] + k0 * step;
@@ -437,18 +526,35 @@ inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
 // bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp2_nonpositive,
 // and with kFoldLog2e, log2(e) rides in the scale and shift (one multiply-add for x·scale − shift
 // and the change of base); float and double P take ATen's exp_u20 and std::exp.
+// e where arg >= threshold, else 0.
+inline Vectorized<float> zero_below(Vectorized<float> e, Vectorized<float> arg, Vectorized<float> threshold) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(arg, threshold, _CMP_GE_OQ), e);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_and_ps(_mm256_cmp_ps(arg, threshold, _CMP_GE_OQ), e);
+#else
+  return Vectorized<float>::blendv(Vectorized<float>(0.f), e, arg >= threshold);
+#endif
+}
+
 template <bool kFoldLog2e, typename acc_t, typename ct>
 acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   constexpr acc_t log2e = acc_t(1.4426950408889634);
   const V vscale(kFoldLog2e ? scale * log2e : scale), vshift(kFoldLog2e ? -shift * log2e : -shift);
+  // Float weights under 2^-64 of the row's largest (the shift) become 0: next to the largest they
+  // change no sum, and their products with V would be denormal numbers, each costing the FMA units a
+  // microcode assist (ALiBi's distant keys made a fifth of the call's time of them).
+  const V flush_below(kFoldLog2e ? acc_t(-64) : acc_t(-44.361419555836500));
   auto exp_of = [&](const V& x) {
     const V arg = at::vec::fmadd(x, vscale, vshift);
     if constexpr (kFoldLog2e) {
-      return exp2_nonpositive(arg);
+      return zero_below(exp2_nonpositive(arg), arg, flush_below);
     } else if constexpr (kVnni<ct>) {
-      return exp2_nonpositive(arg * V(log2e));
+      return zero_below(exp2_nonpositive(arg * V(log2e)), arg, flush_below);
+    } else if constexpr (std::is_same_v<acc_t, float>) {
+      return zero_below(vexp(arg), arg, flush_below);
     } else {
       return vexp(arg);
     }
@@ -673,6 +779,82 @@ inline void drop_and_scale_row(T* row, const uint32_t* bits, int64_t n, uint32_t
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
+// The per-thread buffers of the online softmax: scores and weights of `block_rows` rows against a key
+// block of `block_k` keys, and the running state (output accumulator, maximum, sum) of `rows` rows.
+// bf16/fp16 weights have their own buffer; float ones overwrite the scores.
+template <typename acc_t, typename ct>
+struct SoftmaxBuffers {
+  static constexpr bool separate_p = !std::is_same_v<ct, acc_t>;
+  acc_t* scores;
+  ct* probs;
+  acc_t* out;
+  acc_t* row_max;
+  acc_t* row_sum;
+  uint32_t* bits;  // dropout's random integers of one row, or null
+
+  static size_t bytes(const Params& p, int64_t block_rows, int64_t rows, int64_t block_k, int64_t block_k_pad) {
+    return Scratch::bytes<acc_t>(block_rows * block_k) + (separate_p ? Scratch::bytes<ct>(block_rows * block_k_pad) : 0) +
+           Scratch::bytes<acc_t>(rows * p.dim_v) + 2 * Scratch::bytes<acc_t>(rows) +
+           (p.dropout.enabled ? Scratch::bytes<uint32_t>(block_k) : 0);
+  }
+
+  SoftmaxBuffers(Scratch& scratch, const Params& p, int64_t block_rows, int64_t rows, int64_t block_k,
+                 int64_t block_k_pad)
+      : scores(scratch.take<acc_t>(block_rows * block_k)),
+        probs(separate_p ? scratch.take<ct>(block_rows * block_k_pad) : reinterpret_cast<ct*>(scores)),
+        out(scratch.take<acc_t>(rows * p.dim_v)),
+        row_max(scratch.take<acc_t>(rows)),
+        row_sum(scratch.take<acc_t>(rows)),
+        bits(p.dropout.enabled ? scratch.take<uint32_t>(block_k) : nullptr) {}
+
+  // Every row before its first key block: nothing seen.
+  void start(int64_t rows, int64_t dim_v) {
+    std::fill(row_max, row_max + rows, neg_inf<acc_t>());
+    std::fill(row_sum, row_sum + rows, acc_t(0));
+    std::fill(out, out + rows * dim_v, acc_t(0));
+  }
+};
+
+// One step of the online softmax for query row qi (head h of batch b) over the key block at k0: the
+// scores srow[0, width), of which the keys `seen` are visible, become the weights prow[0, width_pad)
+// (0 for the keys not seen); the row's running maximum *m and sum *l advance, and its output
+// accumulator orow (D_v values) is rescaled to the new maximum. With dropout, the sum is of the
+// undropped weights, and the dropped ones are zeroed in prow (the kept ones are scaled at the end).
+template <typename scalar_t, typename acc_t, typename ct>
+void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange seen, int64_t k0, int64_t width,
+                  int64_t width_pad, acc_t* srow, ct* prow, acc_t* m, acc_t* l, acc_t* orow, uint32_t* bits) {
+  const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, width);
+  const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
+  const int64_t n = last - first;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
+  acc_t row_scale = scale;
+  acc_t block_max = neg_inf<acc_t>();
+  if (n > 0 && scores_are_plain(p)) {
+    block_max = row_max_of(srow + first, n) * scale;
+  } else if (n > 0) {
+    block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
+    row_scale = acc_t(1);
+  }
+  const acc_t m_new = std::max(*m, block_max);
+  if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
+    std::fill(prow, prow + width_pad, ct(0));
+    return;
+  }
+  // 0 when the old max is -inf (the accumulator is still 0); an unchanged max skips the exp.
+  const acc_t alpha = *m == m_new ? acc_t(1) : std::exp(*m - m_new);
+  const acc_t sum = exp_row(srow + first, n, row_scale, m_new, prow + first);
+  std::fill(prow, prow + first, ct(0));
+  std::fill(prow + last, prow + width_pad, ct(0));
+  if (p.dropout.enabled) {
+    dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0 + first, n, bits);
+    drop_row(prow + first, bits, n, p.dropout.threshold);
+  }
+  *l = *l * alpha + sum;
+  *m = m_new;
+  if (alpha != acc_t(1)) scale_row(orow, p.dim_v, alpha);
+}
+
 // Query rows per work item: several query blocks share each packed key/value block (packing costs
 // O(block_k · D) per item and key block), as long as there are enough items to keep threads busy.
 inline int64_t blocks_per_item(int64_t q_blocks, int64_t heads, int64_t threads) {
@@ -691,7 +873,7 @@ void forward_impl(const Params& p) {
   constexpr bool vnni = kVnni<ct>;
   constexpr bool separate_p = !std::is_same_v<ct, acc_t>;
   const int64_t BQ = p.block_q, BK = p.block_k;
-  const int64_t Lq = p.len_q, Lk = p.len_k, D = p.dim_qk, Dv = p.dim_v;
+  const int64_t Lq = p.len_q, D = p.dim_qk, Dv = p.dim_v;
   const int64_t groups = p.heads_q / p.heads_kv;
   const int64_t q_blocks = (Lq + BQ - 1) / BQ;
   const int64_t per_item = blocks_per_item(q_blocks, p.batch * p.heads_q, at::get_num_threads());
@@ -699,39 +881,31 @@ void forward_impl(const Params& p) {
   const int64_t chunks = (Lq + rows_per_item - 1) / rows_per_item;
   const int64_t Dpad = vnni ? round_up(D, 2) : D;
   const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
-  const acc_t scale = static_cast<acc_t>(p.scale);
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);  // 1 without dropout
-  const bool plain_scores = scores_are_plain(p);
   // Query rows that already are the A operand of S = Q Kᵀ (the operand type, contiguous along D,
   // no padding column) feed it in place, at their own row stride; others are packed per item.
   const bool q_in_place = std::is_same_v<scalar_t, ct> && p.query.s[3] == 1 && Dpad == D && p.query.s[2] >= D;
+  using Buffers = SoftmaxBuffers<acc_t, ct>;
   const size_t scratch_bytes = (q_in_place ? 0 : Scratch::bytes<ct>(rows_per_item * Dpad)) +
-                               Scratch::bytes<ct>(Dpad * BK) +
-                               Scratch::bytes<ct>(BKpad * Dv) + Scratch::bytes<acc_t>(BQ * BK) +
-                               (separate_p ? Scratch::bytes<ct>(BQ * BKpad) : 0) +
-                               Scratch::bytes<acc_t>(rows_per_item * Dv) +
-                               2 * Scratch::bytes<acc_t>(rows_per_item) +
-                               (p.dropout.enabled ? Scratch::bytes<uint32_t>(BK) : 0);
+                               Scratch::bytes<ct>(Dpad * BK) + Scratch::bytes<ct>(BKpad * Dv) +
+                               Buffers::bytes(p, BQ, rows_per_item, BK, BKpad);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
   const auto* Vt = static_cast<const scalar_t*>(p.value.data);
   auto* O = static_cast<scalar_t*>(p.out.data);
   auto* LSE = static_cast<lse_t*>(p.lse.data);
 
-  at::parallel_for(0, p.batch * p.heads_q * chunks, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(p.batch * p.heads_q * chunks, [&](const auto& next_item) {
     Scratch scratch(scratch_bytes);
     ct* qbuf = q_in_place ? nullptr : scratch.take<ct>(rows_per_item * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* vbuf = scratch.take<ct>(BKpad * Dv);
-    acc_t* sbuf = scratch.take<acc_t>(BQ * BK);
-    ct* pbuf = separate_p ? scratch.take<ct>(BQ * BKpad) : reinterpret_cast<ct*>(sbuf);
-    acc_t* obuf = scratch.take<acc_t>(rows_per_item * Dv);
-    acc_t* row_max = scratch.take<acc_t>(rows_per_item);
-    acc_t* row_sum = scratch.take<acc_t>(rows_per_item);
-    uint32_t* bits = p.dropout.enabled ? scratch.take<uint32_t>(BK) : nullptr;
+    Buffers buffers(scratch, p, BQ, rows_per_item, BK, BKpad);
+    acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
+    ct* pbuf = buffers.probs;
 
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t chunk = item % chunks;
+    for (int64_t item; (item = next_item()) >= 0;) {
+      const int64_t chunk = chunks - 1 - item % chunks;  // a head's last rows, the dearest when causal, first
       const int64_t h = (item / chunks) % p.heads_q;
       const int64_t b = item / (chunks * p.heads_q);
       const int64_t hk = h / groups;
@@ -748,13 +922,12 @@ void forward_impl(const Params& p) {
       } else {
         pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], rows, D);
       }
-      std::fill(row_max, row_max + rows, neg_inf<acc_t>());
-      std::fill(row_sum, row_sum + rows, acc_t(0));
+      buffers.start(rows, Dv);
 
       // The keys these rows see through the window (causal: up to the last row's diagonal); the
       // others are never visited. A query block may start later, so P·V always accumulates.
-      const int64_t k_begin = visible_keys(p, c0).first, k_end = visible_keys(p, c0 + rows - 1).end;
-      std::fill(obuf, obuf + rows * Dv, acc_t(0));
+      const KeyRange span = key_span(p, b);
+      const int64_t k_begin = visible_keys(p, c0, span).first, k_end = visible_keys(p, c0 + rows - 1, span).end;
       for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
         const int64_t bk = std::min(BK, k_end - k0);
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
@@ -766,49 +939,18 @@ void forward_impl(const Params& p) {
         for (int64_t r0 = 0; r0 < rows; r0 += BQ) {
           const int64_t q0 = c0 + r0;
           const int64_t bq = std::min(BQ, rows - r0);
-          const int64_t block_first = visible_keys(p, q0).first, block_end = visible_keys(p, q0 + bq - 1).end;
+          const int64_t block_first = visible_keys(p, q0, span).first;
+          const int64_t block_end = visible_keys(p, q0 + bq - 1, span).end;
           if (block_end <= k0 || block_first >= k0 + bk) continue;  // no row of this block sees these keys
           // The products stop at the last key the block's last query sees.
           const int64_t width = std::min(bk, block_end - k0);
           const int64_t width_pad = vnni ? round_up(width, 2) : width;
           gemm<ct, acc_t>(bq, width, Dpad, q_rows + r0 * ldq, ldq, kbuf, bk, sbuf, bk, false, p.use_brgemm);
           for (int64_t r = 0; r < bq; ++r) {
-            acc_t* srow = sbuf + r * bk;
-            ct* prow = pbuf + r * ldp;
             const int64_t qi = q0 + r;
-            // The row's keys in this block: [first, last).
-            const KeyRange seen = visible_keys(p, qi);
-            const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, width);
-            const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
-            const int64_t n = last - first;
-            acc_t* m = row_max + r0 + r;
-            acc_t* l = row_sum + r0 + r;
-            // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
-            acc_t row_scale = scale;
-            acc_t block_max = neg_inf<acc_t>();
-            if (n > 0 && plain_scores) {
-              block_max = row_max_of(srow + first, n) * scale;
-            } else if (n > 0) {
-              block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
-              row_scale = acc_t(1);
-            }
-            const acc_t m_new = std::max(*m, block_max);
-            if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
-              std::fill(prow, prow + width_pad, ct(0));
-              continue;
-            }
-            // 0 when the old max is -inf (the accumulator is still 0); an unchanged max skips the exp.
-            const acc_t alpha = *m == m_new ? acc_t(1) : std::exp(*m - m_new);
-            const acc_t sum = exp_row(srow + first, n, row_scale, m_new, prow + first);
-            std::fill(prow, prow + first, ct(0));
-            std::fill(prow + last, prow + width_pad, ct(0));
-            if (p.dropout.enabled) {  // the sum is of the undropped weights; kept ones scale at the end
-              dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0 + first, n, bits);
-              drop_row(prow + first, bits, n, p.dropout.threshold);
-            }
-            *l = *l * alpha + sum;
-            *m = m_new;
-            if (alpha != acc_t(1)) scale_row(obuf + (r0 + r) * Dv, Dv, alpha);
+            softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), k0, width, width_pad, sbuf + r * bk,
+                                   pbuf + r * ldp, row_max + r0 + r, row_sum + r0 + r, obuf + (r0 + r) * Dv,
+                                   buffers.bits);
           }
           gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, true, p.use_brgemm);
         }
@@ -827,6 +969,194 @@ void forward_impl(const Params& p) {
       }
     }
     if (vnni || (std::is_same_v<ct, float> && p.use_brgemm)) at::native::cpublas::brgemm_release(vnni);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode: a few query rows (generation's new token, or a few of them) against many keys.
+//
+// The long-query forward packs each key/value block once per query head, for a product of one row
+// when L_q is 1. Here a work item is one key/value head of one batch row together with all the query
+// rows of its group (G heads × L_q rows, one product of G·L_q rows), so K and V are read once per
+// group; V feeds the product where it lies when the layout allows. When batch × key/value heads leave
+// threads idle, each head's keys are split between items, whose partial outputs merge through their
+// log-sum-exps (flash-decoding).
+
+constexpr int64_t kDecodeMaxQueries = 16;
+// Up to this many rows per item, float scores are dot products of each key row as it lies; more rows
+// amortise a transpose of the K block for the block product.
+constexpr int64_t kDotRows = 8;
+
+// s[r · lds + j] = q_r · k_j for r < rows, j < n: q rows packed (rows × D), k rows at stride ldk. Each
+// key row is loaded once for all the query rows; each dot product ends in one horizontal sum.
+template <typename T>
+void row_dots(const T* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int64_t n, T* s, int64_t lds) {
+  using V = Vectorized<T>;
+  constexpr int64_t W = V::size();
+  const int64_t full = D / W * W;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* key = k + j * ldk;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* query = q + r * D;
+      V acc0(T(0)), acc1(T(0));  // two chains hide the latency of the multiply-adds
+      int64_t d = 0;
+      for (; d + 2 * W <= full; d += 2 * W) {
+        acc0 = at::vec::fmadd(V::loadu(query + d), V::loadu(key + d), acc0);
+        acc1 = at::vec::fmadd(V::loadu(query + d + W), V::loadu(key + d + W), acc1);
+      }
+      if (d < full) acc0 = at::vec::fmadd(V::loadu(query + d), V::loadu(key + d), acc0);
+      T dot = at::vec::vec_reduce_all<T>([](V& x, V& y) { return x + y; }, acc0 + acc1);
+      for (d = full; d < D; ++d) dot += query[d] * key[d];
+      s[r * lds + j] = dot;
+    }
+  }
+}
+
+inline bool takes_decode_path(const Params& p) { return p.use_decode && p.len_q > 0 && p.len_q <= kDecodeMaxQueries; }
+
+// Key splits per (batch, key/value head): doubled while there are fewer than two items per thread
+// and each split keeps at least 512 keys.
+inline int64_t decode_splits(const Params& p, int64_t threads) {
+  int64_t splits = 1;
+  while (p.batch * p.heads_kv * splits < 2 * threads && p.len_k / (2 * splits) >= 512) splits *= 2;
+  return splits;
+}
+
+template <typename scalar_t, typename ct>
+void decode_impl(const Params& p) {
+  using acc_t = typename AccType<scalar_t>::type;
+  constexpr bool vnni = kVnni<ct>;
+  constexpr bool separate_p = !std::is_same_v<ct, acc_t>;
+  const int64_t BK = p.block_k, Lq = p.len_q, D = p.dim_qk, Dv = p.dim_v;
+  const int64_t groups = p.heads_q / p.heads_kv;
+  const int64_t rows = groups * Lq;  // row r: head hk · groups + r / L_q, query r % L_q
+  const int64_t Dpad = vnni ? round_up(D, 2) : D;
+  const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
+  const int64_t splits = decode_splits(p, at::get_num_threads());
+  const int64_t items = p.batch * p.heads_kv * splits;
+  // K rows feed the scores, and V rows the B operand of P V, as they lie when they are float and
+  // contiguous along D; bf16/fp16 rows computed in float are converted row by row (no transpose).
+  const bool k_in_place = !vnni && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
+  const bool v_in_place = !vnni && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
+  const bool k_as_float_rows = !vnni && !k_in_place;
+  const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);
+  using Buffers = SoftmaxBuffers<acc_t, ct>;
+  const size_t scratch_bytes = Scratch::bytes<ct>(rows * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
+                               (k_as_float_rows ? Scratch::bytes<ct>(BK * D) : 0) +
+                               (v_in_place ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
+                               Buffers::bytes(p, rows, rows, BK, BKpad);
+  // With splits, each item's normalised output and log-sum-exp per row, merged afterwards.
+  std::vector<acc_t> partial_out(splits > 1 ? items * rows * Dv : 0), partial_lse(splits > 1 ? items * rows : 0);
+  const auto* Q = static_cast<const scalar_t*>(p.query.data);
+  const auto* K = static_cast<const scalar_t*>(p.key.data);
+  const auto* Vt = static_cast<const scalar_t*>(p.value.data);
+  auto* O = static_cast<scalar_t*>(p.out.data);
+  auto* LSE = static_cast<acc_t*>(p.lse.data);
+  const auto store_row_result = [&](int64_t b, int64_t h, int64_t qi, acc_t* o, acc_t factor, acc_t lse) {
+    store_row(O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2], p.out.s[3], o, Dv, factor);
+    LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]] = lse;
+  };
+
+  parallel_items(items, [&](const auto& next_item) {
+    Scratch scratch(scratch_bytes);
+    ct* qbuf = scratch.take<ct>(rows * Dpad);
+    ct* kbuf = scratch.take<ct>(Dpad * BK);
+    ct* krows = k_as_float_rows ? scratch.take<ct>(BK * D) : nullptr;
+    ct* vbuf = v_in_place ? nullptr : scratch.take<ct>(BKpad * Dv);
+    Buffers buffers(scratch, p, rows, rows, BK, BKpad);
+    acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
+    ct* pbuf = buffers.probs;
+
+    for (int64_t item; (item = next_item()) >= 0;) {
+      const int64_t split = item % splits, hk = (item / splits) % p.heads_kv, b = item / (splits * p.heads_kv);
+      const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
+      const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
+      for (int64_t g = 0; g < groups; ++g) {
+        pack_a(qbuf + g * Lq * Dpad, Dpad, Q + b * p.query.s[0] + (hk * groups + g) * p.query.s[1],
+               p.query.s[2], p.query.s[3], Lq, D);
+      }
+      buffers.start(rows, Dv);
+      // The keys some row sees, then this split's share of them.
+      const KeyRange span = key_span(p, b);
+      const int64_t seen_first = visible_keys(p, 0, span).first, seen_end = visible_keys(p, Lq - 1, span).end;
+      const int64_t share = (std::max<int64_t>(seen_end - seen_first, 0) + splits - 1) / splits;
+      const int64_t k_begin = std::min(seen_end, seen_first + split * share);
+      const int64_t k_end = std::min(seen_end, k_begin + share);
+      for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
+        const int64_t bk = std::min(BK, k_end - k0);
+        const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
+        const int64_t ldp = separate_p ? bkpad : bk;
+        const scalar_t* k_block = k_head + k0 * p.key.s[2];
+        if constexpr (vnni) {
+          pack_b(kbuf, k_block, p.key.s[3], p.key.s[2], D, Dpad, bk);
+          gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+        } else {
+          const ct* k_float = reinterpret_cast<const ct*>(k_block);
+          int64_t ldk = p.key.s[2];
+          if (k_as_float_rows) {
+            for (int64_t j = 0; j < bk; ++j) copy_row(krows + j * D, k_block + j * p.key.s[2], p.key.s[3], D);
+            k_float = krows;
+            ldk = D;
+          }
+          if (rows <= kDotRows) {
+            row_dots(qbuf, rows, D, k_float, ldk, bk, sbuf, bk);
+          } else {
+            pack_b(kbuf, k_float, 1, ldk, D, D, bk);  // Kᵀ by blocked transposes
+            gemm<ct, acc_t>(rows, bk, D, qbuf, D, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t h = hk * groups + r / Lq, qi = r % Lq;
+          const KeyRange seen = visible_keys(p, qi, span);
+          softmax_step<scalar_t>(p, b, h, qi, {std::max(seen.first, k_begin), std::min(seen.end, k_end)}, k0, bk,
+                                 bkpad, sbuf + r * bk, pbuf + r * ldp, row_max + r, row_sum + r, obuf + r * Dv,
+                                 buffers.bits);
+        }
+        if (v_in_place) {
+          gemm<ct, acc_t>(rows, Dv, bk, pbuf, ldp, reinterpret_cast<const ct*>(v_head + k0 * p.value.s[2]),
+                          p.value.s[2], obuf, Dv, true, p.use_brgemm);
+        } else {
+          pack_b(vbuf, v_head + k0 * p.value.s[2], p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+          gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, true, p.use_brgemm);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool seen = row_sum[r] > acc_t(0);
+        const acc_t lse = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
+        if (splits == 1) {
+          store_row_result(b, hk * groups + r / Lq, r % Lq, obuf + r * Dv, seen ? keep_scale / row_sum[r] : acc_t(0), lse);
+        } else {
+          acc_t* out = partial_out.data() + (item * rows + r) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) out[d] = seen ? obuf[r * Dv + d] / row_sum[r] : acc_t(0);
+          partial_lse[item * rows + r] = lse;
+        }
+      }
+    }
+    if (vnni || (std::is_same_v<ct, float> && p.use_brgemm)) at::native::cpublas::brgemm_release(vnni);
+  });
+  if (splits == 1) return;
+  // Merge the splits of each row: lse = log Σ exp(lse_s), out = Σ exp(lse_s - lse) out_s.
+  at::parallel_for(0, p.batch * p.heads_kv * rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> merged(Dv);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t r = row % rows, head = row / rows;  // head = b · H_kv + hk
+      const int64_t b = head / p.heads_kv, hk = head % p.heads_kv;
+      acc_t top = neg_inf<acc_t>();
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, partial_lse[(head * splits + s) * rows + r]);
+      std::fill(merged.begin(), merged.end(), acc_t(0));
+      acc_t total = 0;
+      if (top != neg_inf<acc_t>()) {
+        for (int64_t s = 0; s < splits; ++s) {
+          const int64_t part = (head * splits + s) * rows + r;
+          const acc_t weight = std::exp(partial_lse[part] - top);  // 0 for a split that saw nothing
+          total += weight;
+          for (int64_t d = 0; d < Dv; ++d) merged[d] += weight * partial_out[part * Dv + d];
+        }
+      }
+      const acc_t lse = total > acc_t(0) ? top + std::log(total) : neg_inf<acc_t>();
+      store_row_result(b, hk * groups + r / Lq, r % Lq, merged.data(), total > acc_t(0) ? keep_scale / total : acc_t(0),
+                       lse);
+    }
   });
 }
 
@@ -925,7 +1255,7 @@ void backward_impl(const Params& p) {
   auto* dV = static_cast<scalar_t*>(p.grad_value.data);
   auto* dMask = static_cast<scalar_t*>(p.grad_mask.data);
 
-  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(p.batch * p.heads_kv, [&](const auto& next_item) {
     Scratch scratch(scratch_bytes);
     ct* kt_b = scratch.take<ct>(Dpad * BK);     // Kᵀ block as B of S = Q Kᵀ
     ct* vt_b = scratch.take<ct>(Dvpad * BK);    // Vᵀ block as B of dP = dO Vᵀ
@@ -946,15 +1276,28 @@ void backward_impl(const Params& p) {
     uint32_t* bits = p.dropout.enabled ? scratch.take<uint32_t>(BK) : nullptr;
     acc_t* cap_grad = p.softcap > 0.0 ? scratch.take<acc_t>(BK) : nullptr;
 
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; (item = next_item()) >= 0;) {
       const int64_t hk = item % p.heads_kv;
       const int64_t b = item / p.heads_kv;
       const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
       const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
+      const KeyRange span = key_span(p, b);
       std::fill(dq_acc, dq_acc + groups * Lq * D, acc_t(0));
 
-      for (int64_t k0 = 0; k0 < Lk; k0 += BK) {
-        const int64_t bk = std::min(BK, Lk - k0);
+      const auto store_key_grads = [&](int64_t kj, acc_t* dk_row, acc_t* dv_row) {
+        store_row(dK + b * p.grad_key.s[0] + hk * p.grad_key.s[1] + kj * p.grad_key.s[2], p.grad_key.s[3],
+                  dk_row, D, scale);
+        store_row(dV + b * p.grad_value.s[0] + hk * p.grad_value.s[1] + kj * p.grad_value.s[2],
+                  p.grad_value.s[3], dv_row, Dv, keep_scale);
+      };
+      // Keys outside the span of unpadded keys are never read: their gradients are 0.
+      std::fill(dk_acc, dk_acc + D, acc_t(0));
+      std::fill(dv_acc, dv_acc + Dv, acc_t(0));
+      for (int64_t kj = 0; kj < span.first; ++kj) store_key_grads(kj, dk_acc, dv_acc);
+      for (int64_t kj = span.end; kj < Lk; ++kj) store_key_grads(kj, dk_acc, dv_acc);
+
+      for (int64_t k0 = span.first; k0 < span.end; k0 += BK) {
+        const int64_t bk = std::min(BK, span.end - k0);
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const scalar_t* k_ptr = k_head + k0 * p.key.s[2];
         const scalar_t* v_ptr = v_head + k0 * p.value.s[2];
@@ -993,7 +1336,7 @@ void backward_impl(const Params& p) {
               acc_t* srow = sbuf + r * bk;
               acc_t* dprow = dpbuf + r * bk;
               // The row's keys in this block, [first, last); the rest of its P and dS are 0.
-              const KeyRange seen = visible_keys(p, qi);
+              const KeyRange seen = visible_keys(p, qi, span);
               const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, bk);
               const int64_t last = std::clamp<int64_t>(seen.end - k0, first, bk);
               const int64_t n = last - first;
@@ -1045,13 +1388,7 @@ void backward_impl(const Params& p) {
                             p.use_brgemm);
           }
         }
-        for (int64_t j = 0; j < bk; ++j) {
-          const int64_t kj = k0 + j;
-          store_row(dK + b * p.grad_key.s[0] + hk * p.grad_key.s[1] + kj * p.grad_key.s[2],
-                    p.grad_key.s[3], dk_acc + j * D, D, scale);
-          store_row(dV + b * p.grad_value.s[0] + hk * p.grad_value.s[1] + kj * p.grad_value.s[2],
-                    p.grad_value.s[3], dv_acc + j * Dv, Dv, keep_scale);
-        }
+        for (int64_t j = 0; j < bk; ++j) store_key_grads(k0 + j, dk_acc + j * D, dv_acc + j * Dv);
       }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t h = hk * groups + g;
@@ -1095,7 +1432,7 @@ void dispatch(const Params& p) {
 
 template <typename scalar_t, typename ct>
 struct RunForward {
-  static void run(const Params& p) { forward_impl<scalar_t, ct>(p); }
+  static void run(const Params& p) { takes_decode_path(p) ? decode_impl<scalar_t, ct>(p) : forward_impl<scalar_t, ct>(p); }
 };
 template <typename scalar_t, typename ct>
 struct RunBackward {

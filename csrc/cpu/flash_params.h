@@ -27,7 +27,12 @@ struct Params {
   View query, key, value;  // (B, H_q, L_q, D_qk), (B, H_kv, L_k, D_qk), (B, H_kv, L_k, D_v)
   MaskKind mask_kind = MaskKind::None;
   View mask;               // (B, H_q, L_q, L_k), stride 0 where it broadcasts
-  View key_padding;        // bool (B, L_k) in s[0], s[1]; data null when absent
+  View key_padding;        // bool (B, L_k) in s[0], s[1]; data null when absent or said by key_spans
+  // Padding as ranges: the keys of batch row b that are not padding lie within [key_spans[2 b],
+  // key_spans[2 b + 1]); null: every key may be visible. When the ranges say everything (padding only
+  // at the ends of each row, as left and right padding are), key_padding.data is null: no score
+  // reads the padding, and keys outside the range are never visited.
+  const int64_t* key_spans = nullptr;
   // The score variant (fused_attn/scores.py). Query i sees keys i + diagonal - window_left through
   // i + diagonal + window_right (-1: unbounded on that side; is_causal is window_right 0).
   int64_t window_left = -1, window_right = -1;
@@ -47,6 +52,7 @@ struct Params {
   // Tiling and the product used for the two matrix products of each block.
   int64_t block_q = 64, block_k = 64;
   bool use_brgemm = true;  // oneDNN micro-kernels through at::native::cpublas::brgemm, where usable
+  bool use_decode = true;  // the decode kernels for few query rows (flash_kernel.h, takes_decode_path)
 };
 
 // One entry point per instruction set; `capability` in attention_cpu.cpp picks one.

@@ -125,6 +125,7 @@ inline AttentionParams attention_params(const at::Tensor& query, const at::Tenso
     copy_strides(mask, p.mask_stride);
   }
   p.key_padding = nullptr;
+  p.key_spans = nullptr;
   if (key_padding_mask.has_value()) {
     const at::Tensor& padding = *key_padding_mask;
     TORCH_CHECK(padding.scalar_type() == at::kBool,
@@ -152,6 +153,19 @@ inline AttentionParams attention_params(const at::Tensor& query, const at::Tenso
   p.softcap = 0.0f;
   p.alibi = nullptr;
   return p;
+}
+
+// The key padding's span per batch row (AttentionParams::key_spans), computed on the mask's device
+// without a host synchronisation; the caller keeps the returned tensor until the kernels are launched.
+inline at::Tensor set_key_spans(AttentionParams& p, const std::optional<at::Tensor>& key_padding_mask) {
+  if (!key_padding_mask.has_value() || p.len_k == 0) return {};
+  const at::Tensor kept = key_padding_mask->logical_not();
+  const at::Tensor index = at::arange(p.len_k, kept.options().dtype(at::kInt));
+  const at::Tensor first = at::where(kept, index, p.len_k).amin(1);
+  const at::Tensor end = at::where(kept, index + 1, 0).amax(1);
+  at::Tensor spans = at::stack({first, at::maximum(first, end)}, 1).to(at::kInt).contiguous();
+  p.key_spans = spans.data_ptr<int>();
+  return spans;
 }
 
 // A call's score variant (fused_attn/scores.py) as the ops receive it.
@@ -227,6 +241,7 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   set_dropout(params.attn, dropout_p, dropout_rng);
   set_variant(params.attn, variant);
+  const at::Tensor spans = set_key_spans(params.attn, key_padding_mask);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
   fused_attn::check_output_memory("flash_forward", "out", out,
@@ -261,6 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   set_dropout(params.attn, dropout_p, dropout_rng);
   set_variant(params.attn, variant);
+  const at::Tensor spans = set_key_spans(params.attn, key_padding_mask);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
   check_like_output(grad_out, "grad_out", query, p);

@@ -87,6 +87,9 @@ struct AttentionParams {
   int64_t mask_stride[4];
   const uint8_t* key_padding;  // (B, L_k) bool, true = ignore the key; may be null
   int64_t key_padding_stride[2];
+  // With key_padding: int32 (B, 2), for each batch row [first, end) of the keys not padded; the
+  // key blocks outside it are never visited.
+  const int* key_spans;
   int batch, heads_q, heads_kv, group, len_q, len_k, dim_qk, dim_v;
   float scale;
   // The band (fused_attn/scores.py): with `banded`, query i sees keys i + diagonal - window_left
@@ -398,13 +401,19 @@ __device__ __forceinline__ float final_score(const AttentionParams& p, float s, 
 }
 
 // The key blocks (of BN keys) rows m0 .. m0 + BM - 1 see through the band: [begin, end).
+// Within the span of keys of batch row b that its padding leaves; begin stays a multiple of BN.
 template <int BM, int BN>
-__device__ __forceinline__ void key_blocks_of(const AttentionParams& p, int m0, int& begin, int& end) {
+__device__ __forceinline__ void key_blocks_of(const AttentionParams& p, int b, int m0, int& begin, int& end) {
   begin = 0;
   end = p.len_k;
-  if (!p.banded) return;
-  begin = max_int(0, m0 + p.diagonal - p.window_left) / BN * BN;
-  end = max_int(0, min_int(p.len_k, m0 + BM - 1 + p.diagonal + p.window_right + 1));
+  if (p.banded) {
+    begin = max_int(0, m0 + p.diagonal - p.window_left) / BN * BN;
+    end = max_int(0, min_int(p.len_k, m0 + BM - 1 + p.diagonal + p.window_right + 1));
+  }
+  if (p.key_spans != nullptr) {
+    begin = max_int(begin, p.key_spans[2 * b] / BN * BN);
+    end = min_int(end, p.key_spans[2 * b + 1]);
+  }
 }
 
 // Dropout's keep/drop decisions as a thread regenerates them (csrc/dropout.h): seed and offset are
@@ -464,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
   float row_max = -INFINITY, row_sum = 0.0f;
   // Key blocks wholly outside the band of these rows are skipped.
   int n_begin, n_end;
-  key_blocks_of<BM, BN>(p, m0, n_begin, n_end);
+  key_blocks_of<BM, BN>(p, b, m0, n_begin, n_end);
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
     load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
@@ -643,6 +652,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_begin = max_int(0, n0 - p.diagonal - p.window_right) / BM * BM;
     m_end = max_int(0, min_int(p.len_q, n0 + BN - 1 - p.diagonal + p.window_left + 1));
   }
+  // A block of padding only meets no query: its dK and dV are 0.
+  if (p.key_spans != nullptr && (p.key_spans[2 * b + 1] <= n0 || p.key_spans[2 * b] >= n0 + BN)) m_end = m_begin;
   for (int g = 0; g < p.group; ++g) {
     const int h = h_kv * p.group + g;
     const T* q = head_of<const T>(p.q, p.q_stride, b, h);
@@ -715,7 +726,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   fill_f32(dq_s, BM * LDA, 0.0f);
 
   int n_begin, n_end;
-  key_blocks_of<BM, BN>(p, m0, n_begin, n_end);
+  key_blocks_of<BM, BN>(p, b, m0, n_begin, n_end);
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
     load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);

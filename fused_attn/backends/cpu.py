@@ -4,7 +4,9 @@ products), reached through the ops `torch.ops.fused_attn.flash_forward` / `flash
 The kernels follow ATen's choice of instruction set (ATEN_CPU_CAPABILITY caps it). Environment
 overrides, for benchmarks and tests: FUSED_ATTN_CPU_BLOCK_Q / FUSED_ATTN_CPU_BLOCK_K (block sizes;
 defaults 128 × 512 forward, 64 × 256 backward), FUSED_ATTN_CPU_BRGEMM=0 (the built-in micro-kernel
-instead of oneDNN's brgemm), FUSED_ATTN_CPU_ISA=default|avx2|avx512|avx512_bf16 (a compiled copy of
+instead of oneDNN's brgemm), FUSED_ATTN_CPU_DECODE=0 (the long-query forward also for L_q <= 16,
+where the decode kernels run by default: one item per key/value head and its whole query group, keys
+split between threads when heads are few), FUSED_ATTN_CPU_ISA=default|avx2|avx512|avx512_bf16 (a compiled copy of
 the kernels, up to what the CPU runs).
 """
 

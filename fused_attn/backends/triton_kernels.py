@@ -121,8 +121,17 @@ def _variant_scores(s, q_idx, k_idx, slope2, softcap2, DIAG, SOFTCAP: tl.constex
 
 
 @triton.jit
+def _within_span(SPANS, off_b, lo, hi, BLOCK_N: tl.constexpr):
+    """Key bounds [lo, hi) narrowed to the span of keys batch row `off_b`'s padding leaves (SPANS:
+    int32 (B, 2), [first, end)); lo stays a multiple of BLOCK_N."""
+    lo = tl.maximum(lo, tl.load(SPANS + 2 * off_b) // BLOCK_N * BLOCK_N)
+    hi = tl.minimum(hi, tl.load(SPANS + 2 * off_b + 1))
+    return lo, hi
+
+
+@triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM, RNG, ALIBI,
+    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -174,6 +183,8 @@ def _attn_fwd(
         # visited one starts on a multiple of BLOCK_N (dropout's Philox blocks need multiples of 4).
         lo = tl.maximum(0, pid_m * BLOCK_M + DIAG - LEFT) // BLOCK_N * BLOCK_N
         hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
+    if HAS_KPM:  # keys outside the span the row's padding leaves are never visited
+        lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
@@ -262,7 +273,7 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, ALIBI, DK, DV, DMASK,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DK, DV, DMASK,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -316,6 +327,10 @@ def _attn_bwd_dkdv(
         # j - DIAG - RIGHT <= i <= j - DIAG + LEFT.
         lo = tl.maximum(0, pid_n * BLOCK_N - DIAG - RIGHT) // BLOCK_M * BLOCK_M
         hi = tl.maximum(0, tl.minimum(L_Q, (pid_n + 1) * BLOCK_N - 1 - DIAG + LEFT + 1))
+    if HAS_KPM:  # a block of padding only meets no query: its dK and dV are 0
+        span_first = tl.load(SPANS + 2 * off_b)
+        span_end = tl.load(SPANS + 2 * off_b + 1)
+        hi = tl.where((span_end <= pid_n * BLOCK_N) | (span_first >= (pid_n + 1) * BLOCK_N), lo, hi)
     # The group's query heads in a fixed order, so the sum is the same on every run.
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g
@@ -384,7 +399,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, RNG, ALIBI, DQ,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -437,6 +452,8 @@ def _attn_bwd_dq(
     if BANDED:  # as in the forward
         lo = tl.maximum(0, pid_m * BLOCK_M + DIAG - LEFT) // BLOCK_N * BLOCK_N
         hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
+    if HAS_KPM:  # keys outside the span the row's padding leaves are never visited
+        lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
@@ -636,10 +653,24 @@ def _mask_args(attn_mask, key_padding_mask, dummy):
     else:
         mask, kind, mask_strides = attn_mask, 2, attn_mask.stride()
     if key_padding_mask is None:
-        padding, padding_strides = dummy, (0, 0)
+        padding, padding_strides, spans = dummy, (0, 0), dummy
     else:
         padding, padding_strides = key_padding_mask.view(torch.uint8), key_padding_mask.stride()
-    return mask, kind, tuple(mask_strides), padding, tuple(padding_strides)
+        spans = padding_spans(key_padding_mask)
+    return mask, kind, tuple(mask_strides), padding, tuple(padding_strides), spans
+
+
+def padding_spans(key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """int32 (B, 2): for each batch row, [first, end) of the keys that are not padding (an empty range
+    when all are), computed where the mask lives, with no host synchronisation."""
+    batch, len_k = key_padding_mask.shape
+    if len_k == 0:
+        return torch.zeros(batch, 2, dtype=torch.int32, device=key_padding_mask.device)
+    kept = ~key_padding_mask
+    index = torch.arange(len_k, dtype=torch.int32, device=kept.device)
+    first = torch.where(kept, index, len_k).amin(1)
+    end = torch.where(kept, index + 1, 0).amax(1)
+    return torch.stack([first, torch.maximum(first, end)], 1).to(torch.int32)
 
 
 def _dropout_args(dropout, dummy):
@@ -669,10 +700,10 @@ def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scal
     """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report."""
     batch, heads_q, len_q, dim_qk = query.shape
     heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
-    mask, kind, mask_strides, padding, padding_strides = _mask_args(attn_mask, key_padding_mask, query)
+    mask, kind, mask_strides, padding, padding_strides, spans = _mask_args(attn_mask, key_padding_mask, query)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
     alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse)
-    args = (query, key, value, out, lse, mask, padding, rng, alibi,
+    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
             *mask_strides, *padding_strides, *alibi_strides,
             heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E,
@@ -699,7 +730,7 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
     where asked for) or `_attn_bwd_dq` (grads = (dq,))."""
     batch, heads_q, len_q, dim_qk = query.shape
     heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
-    mask, kind, mask_strides, padding, padding_strides = _mask_args(attn_mask, key_padding_mask, query)
+    mask, kind, mask_strides, padding, padding_strides, spans = _mask_args(attn_mask, key_padding_mask, query)
     common = (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *lse.stride(),
               *mask_strides, *padding_strides)
     grad_strides = tuple(stride for grad in grads for stride in grad.stride())
@@ -711,7 +742,7 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
         extra = dict(HAS_MASK_GRAD=grad_mask is not None)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
     alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse)
-    args = (query, key, value, grad_out, lse, delta, mask, padding, rng, alibi, *grads, *common, *grad_strides,
+    args = (query, key, value, grad_out, lse, delta, mask, padding, spans, rng, alibi, *grads, *common, *grad_strides,
             *alibi_strides, *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E, float(scale),
             drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),

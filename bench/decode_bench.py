@@ -1,0 +1,106 @@
+"""`python -m bench.decode_bench`: generation's attention on the CPU, a few queries against a long cache.
+
+Per row, interleaved in one process with the same inputs and threads (inference, no autograd): the
+`cpu` backend, `scaled_dot_product_attention` (with `enable_gqa` where H_q > H_kv), the `cpu` backend's
+long-query kernels on the same call (FUSED_ATTN_CPU_DECODE=0, the path before the decode kernels),
+and `dst.copy_(src)` of a buffer the size of K and V, `dst` allocated beforehand: the time the
+memory takes to move the bytes the call must read. The table gives the medians over rounds of the
+time ratios SDPA / cpu (targets: 1.5 at B=1, H_q=32, H_kv=8, L_k=4096; 1.3 at B=4, H=32, L_k=2048)
+and cpu / copy (target ≤ 2), and K/V bytes read per second by the call and by the copy.
+
+    python -m bench.decode_bench [--dtypes fp32 bf16] [--rounds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import fused_attn
+
+from . import report, timing
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# (B, H_q, H_kv, L_q, L_k, D)
+SHAPES = [(1, 32, 8, 1, 4096, 128), (4, 32, 32, 1, 2048, 128), (1, 32, 8, 4, 4096, 128)]
+
+
+@contextlib.contextmanager
+def long_query_kernels():
+    """The cpu backend without its decode path, read by the extension at every call."""
+    before = os.environ.get("FUSED_ATTN_CPU_DECODE")
+    os.environ["FUSED_ATTN_CPU_DECODE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FUSED_ATTN_CPU_DECODE"]
+        else:
+            os.environ["FUSED_ATTN_CPU_DECODE"] = before
+
+
+def candidates(q, k, v):
+    gqa = q.shape[1] != k.shape[1]
+    kv = torch.cat([k.flatten(), v.flatten()])
+    destination = torch.empty_like(kv)
+
+    def without_decode():
+        with long_query_kernels():
+            return fused_attn.attention(q, k, v, enable_gqa=gqa, backend="cpu")
+
+    return {
+        "cpu": lambda: fused_attn.attention(q, k, v, enable_gqa=gqa, backend="cpu"),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
+        "cpu_long_query": without_decode,
+        "copy": lambda: destination.copy_(kv),
+    }
+
+
+def time_row(dtype, shape, rounds, budget_s) -> dict:
+    batch, heads_q, heads_kv, len_q, len_k, dim = shape
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads_q, len_q, dim, generator=generator).to(dtype)
+    k, v = (torch.randn(batch, heads_kv, len_k, dim, generator=generator).to(dtype) for _ in range(2))
+    kv_bytes = 2 * k.numel() * k.element_size()
+    with torch.inference_mode():
+        samples = timing.interleaved_samples(candidates(q, k, v), rounds, warmup=3, budget_s=budget_s)
+    times = {name: statistics.median(values) for name, values in samples.items()}
+    return {
+        "rounds": len(samples["cpu"]),
+        **{f"{name}_us": seconds * 1e6 for name, seconds in times.items()},
+        "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["cpu"]),
+        "vs_long_query": timing.median_ratio(samples["cpu_long_query"], samples["cpu"]),
+        "over_copy": timing.median_ratio(samples["cpu"], samples["copy"]),
+        "cpu_gb_s": kv_bytes / times["cpu"] / 1e9,
+        "copy_gb_s": kv_bytes / times["copy"] / 1e9,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds per row before stopping early")
+    args = parser.parse_args(argv)
+    print(report.machine_description(torch.device("cpu")))
+    print()
+    print("| dtype | B, H_q, H_kv, L_q, L_k, D | cpu µs | SDPA µs | long-query µs | copy µs | SDPA / cpu "
+          "| long-query / cpu | cpu / copy | K/V read GB/s (cpu, copy) | rounds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.dtypes:
+        for shape in SHAPES:
+            row = time_row(DTYPES[name], shape, args.rounds, args.budget)
+            print(f"| {name} | {', '.join(map(str, shape))} | {row['cpu_us']:.0f} | {row['sdpa_us']:.0f} | "
+                  f"{row['cpu_long_query_us']:.0f} | {row['copy_us']:.0f} | {row['vs_sdpa']:.2f} | "
+                  f"{row['vs_long_query']:.2f} | {row['over_copy']:.2f} | {row['cpu_gb_s']:.1f}, "
+                  f"{row['copy_gb_s']:.1f} | {row['rounds']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
