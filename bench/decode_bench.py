@@ -6,7 +6,8 @@ long-query kernels on the same call (FUSED_ATTN_CPU_DECODE=0, the path before th
 and `dst.copy_(src)` of a buffer the size of K and V, `dst` allocated beforehand: the time the
 memory takes to move the bytes the call must read. The table gives the medians over rounds of the
 time ratios SDPA / cpu (targets: 1.5 at B=1, H_q=32, H_kv=8, L_k=4096; 1.3 at B=4, H=32, L_k=2048)
-and cpu / copy (target ≤ 2), and K/V bytes read per second by the call and by the copy.
+and cpu / copy (target ≤ 2), and K/V bytes read per second by the call and by the copy. Then one
+generation step through `attention_with_kvcache` against SDPA over the same keys.
 
     python -m bench.decode_bench [--dtypes fp32 bf16] [--rounds 30]
 """
@@ -81,6 +82,28 @@ def time_row(dtype, shape, rounds, budget_s) -> dict:
     }
 
 
+def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capacity=4096, length=4000, dim=128):
+    """One generation step through `attention_with_kvcache` (append one token, attend over the
+    sequence) against SDPA over the same sequence, already appended, sliced from the cache."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads_q, 1, dim, generator=generator).to(dtype)
+    k_cache, v_cache = (torch.randn(batch, capacity, heads_kv, dim, generator=generator).to(dtype).transpose(1, 2)
+                        for _ in range(2))
+    k_new, v_new = (torch.randn(batch, heads_kv, 1, dim, generator=generator).to(dtype) for _ in range(2))
+    before = torch.full((batch,), length - 1, dtype=torch.int32)
+    k_valid, v_valid = k_cache[:, :, :length], v_cache[:, :, :length]
+    runs = {
+        "kvcache": lambda: fused_attn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=before,
+                                                             backend="cpu"),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k_valid, v_valid, enable_gqa=True),
+    }
+    with torch.inference_mode():
+        samples = timing.interleaved_samples(runs, rounds, warmup=3, budget_s=budget_s)
+    return {"rounds": len(samples["sdpa"]), "kvcache_us": statistics.median(samples["kvcache"]) * 1e6,
+            "sdpa_us": statistics.median(samples["sdpa"]) * 1e6,
+            "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["kvcache"])}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
@@ -99,6 +122,16 @@ def main(argv=None) -> int:
                   f"{row['cpu_long_query_us']:.0f} | {row['copy_us']:.0f} | {row['vs_sdpa']:.2f} | "
                   f"{row['vs_long_query']:.2f} | {row['over_copy']:.2f} | {row['cpu_gb_s']:.1f}, "
                   f"{row['copy_gb_s']:.1f} | {row['rounds']} |", flush=True)
+    print()
+    print("attention_with_kvcache, B=1, H_q=32, H_kv=8, D=128, one token appended to 3999 of a 4096-key cache "
+          "(a (B, L_max, H_kv, D) buffer), against SDPA over the 4000 keys sliced from it:")
+    print()
+    print("| dtype | kvcache µs | SDPA µs | SDPA / kvcache | rounds |")
+    print("|---|---|---|---|---|")
+    for name in args.dtypes:
+        row = kvcache_row(DTYPES[name], args.rounds, args.budget)
+        print(f"| {name} | {row['kvcache_us']:.0f} | {row['sdpa_us']:.0f} | {row['vs_sdpa']:.2f} | {row['rounds']} |",
+              flush=True)
     return 0
 
 

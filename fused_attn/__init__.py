@@ -2,6 +2,7 @@
 
 from .backends.registry import BackendError, available_backends, use_backend
 from .functional import attention, split_heads_attention
+from .kvcache import attention_with_kvcache
 from .modules import MultiheadAttention, replace_attention
 
 __version__ = "0.1.0"
@@ -10,6 +11,7 @@ __all__ = [
     "BackendError",
     "MultiheadAttention",
     "attention",
+    "attention_with_kvcache",
     "available_backends",
     "replace_attention",
     "split_heads_attention",

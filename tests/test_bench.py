@@ -3,6 +3,7 @@ what `python -m bench` does on a GPU machine with its arguments, rows and failur
 
 import csv
 import itertools
+import os
 import sys
 import types
 
@@ -252,3 +253,13 @@ def test_check_reports_any_failure_as_a_failing_line(monkeypatch):
     assert not check.run_check(torch.device("cpu"), (torch.float32,), backends=["reference"],
                                printer=lines.append)
     assert all("FAIL: _CompilerError: out of resource" in line for line in lines[1:])
+
+
+def test_decode_bench_rows_on_a_small_shape():
+    from bench import decode_bench
+
+    row = decode_bench.time_row(torch.float32, (1, 4, 2, 1, 64, 16), rounds=3, budget_s=1.0)
+    assert row["rounds"] == 3 and row["cpu_us"] > 0 and row["vs_sdpa"] > 0 and row["over_copy"] > 0
+    assert "FUSED_ATTN_CPU_DECODE" not in os.environ
+    row = decode_bench.kvcache_row(torch.float32, 3, 1.0, heads_q=4, heads_kv=2, capacity=64, length=40, dim=16)
+    assert row["rounds"] == 3 and row["vs_sdpa"] > 0

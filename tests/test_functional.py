@@ -270,3 +270,13 @@ def test_a_bool_mask_of_batch_and_keys_runs_as_key_padding(generator):
     both = fused_attn.attention(q, k, v, attend, key_padding_mask=padding, backend="cpu")
     expected = fused_attn.attention(q, k, v, attend & ~padding[:, None, None, :], backend="reference")
     torch.testing.assert_close(both, expected)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_no_keys_give_zero_rows_on_every_cpu_backend(generator, backend):
+    q = torch.randn(2, 3, 4, 8, generator=generator, requires_grad=True)
+    k = torch.randn(2, 3, 0, 8)
+    out, lse = fused_attn.attention(q, k, k, return_lse=True, backend=backend)
+    assert torch.equal(out, torch.zeros(2, 3, 4, 8)) and bool((lse == float("-inf")).all())
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(grad, torch.zeros_like(q))

@@ -371,7 +371,7 @@ inline KeyRange queries_seeing(const Params& p, int64_t k_first, int64_t k_end) 
   return {first, std::max(first, end)};
 }
 
-// 1 / d for d in [1, 2]: the hardware estimate (14 bits on AVX512, 12 on AVX2) and one Newton step,
+// 1 / d for d in [1, 2^64]: the hardware estimate (14 bits on AVX512, 12 on AVX2) and one Newton step,
 // within an ulp or two of the quotient at a fraction of vdivps's cost; other types divide.
 template <typename acc_t>
 inline Vectorized<acc_t> reciprocal_of(Vectorized<acc_t> d) {
@@ -389,7 +389,7 @@ inline Vectorized<acc_t> reciprocal_of(Vectorized<acc_t> d) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// 2^t for -64 <= t <= 0 within 3 ulp: vreduceps gives t's fraction, a degree-5 polynomial (fitted to
+// 2^t for -64 <= t <= 64 within 3 ulp: vreduceps gives t's fraction, a degree-5 polynomial (fitted to
 // 2^f on [0, 1], relative error 7.5e-8) its power, vscalefps applies the integer part. Half the
 // instructions of ATen's exp_u20, which also handles what t never is here (large, -inf, NaN).
 inline Vectorized<float> exp2_bounded(Vectorized<float> t) {
@@ -403,20 +403,22 @@ inline Vectorized<float> exp2_bounded(Vectorized<float> t) {
 }
 #endif
 
-// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) in [0, 1], several times cheaper than
-// Sleef's tanh: e from exp2_bounded on AVX512 (past |x| = 22, e < 2^-64 leaves tanh at 1 in float),
-// from ATen's exp_u20 elsewhere; float64 keeps Sleef's.
+// tanh(x) = (1 - e) / (1 + e) with e = exp(-2x), several times cheaper than Sleef's tanh. On AVX512,
+// e from exp2_bounded with its exponent clamped to ±64, which leaves tanh at ±1 in float past
+// |x| = 22 and keeps the sign without a test; elsewhere e = exp(-2|x|) from ATen's exp_u20 and the sign
+// of x put back. float64 keeps Sleef's tanh.
 template <typename acc_t>
 inline Vectorized<acc_t> tanh_of(Vectorized<acc_t> x) {
   using V = Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
 #if defined(CPU_CAPABILITY_AVX512)
-    const V e = exp2_bounded(at::vec::maximum(x.abs() * V(-2.8853900817779268f), V(-64.f)));
+    const V e = exp2_bounded(at::vec::clamp(x * V(-2.8853900817779268f), V(-64.f), V(64.f)));
+    return (V(1.f) - e) * reciprocal_of<acc_t>(V(1.f) + e);
 #else
     const V e = (x.abs() * V(-2.f)).exp_u20();
-#endif
     const V magnitude = (V(1.f) - e) * reciprocal_of<acc_t>(V(1.f) + e);
     return magnitude | (x & V(-0.f));  // the sign of x on a non-negative magnitude
+#endif
   } else {
     return x.tanh();
   }

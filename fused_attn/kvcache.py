@@ -1,0 +1,176 @@
+"""`attention_with_kvcache`: a generation step against a key/value cache, dense or paged.
+
+Each sequence b of the batch holds `cache_seqlens[b]` keys before the call; the call appends its
+new keys and values after them, in place, and its queries (the last `L_q` positions of the sequence)
+attend over the sequence's keys. Everything runs on the device, with no host synchronisation.
+
+How the sequences' own lengths reach the kernels: the keys past a sequence's end are key padding,
+which the fused kernels never visit (fused_attn.backends: key padding as a range of keys). Query i
+of sequence b sits at position `length_b - L_q + i`; with one query and no window that position sees
+every key of the sequence and nothing more is needed. With several queries under `is_causal`, or a
+window, the visible keys are given as a bool mask (B, 1, L_q, L_max) built from the lengths. ALiBi
+runs in the kernels aligned to the end of the cache buffer: for keys at or before the query, as
+under `is_causal` or with one query, that shifts every score of a row by the same amount, which the
+softmax ignores and the returned log-sum-exp gets back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .functional import attention
+from .scores import variant_of
+
+
+def _check_cache(name: str, cache: torch.Tensor, paged: bool, query: torch.Tensor) -> None:
+    layout = "(num_blocks, block_size, H_kv, D)" if paged else "(B, H_kv, L_max, D)"
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        raise ValueError(f"{name}: expected a 4-D tensor {layout}, got "
+                         f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
+    if cache.dtype != query.dtype or cache.device != query.device:
+        raise TypeError(f"{name}: expected query's dtype {query.dtype} and device {query.device}, got "
+                        f"{cache.dtype} on {cache.device}")
+
+
+def _check_lengths(cache_seqlens, batch: int, device) -> None:
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
+            or tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens: expected an int32 tensor of shape (B,) = ({batch},), got "
+                         f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} of shape "
+                         f"{tuple(getattr(cache_seqlens, 'shape', ()))}")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens: expected device {device} (as query), got {cache_seqlens.device}")
+
+
+def _assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Raises `message` when `condition` (a bool tensor) is false: at once on the CPU, asynchronously
+    (at the next synchronisation) on a GPU, which keeps the call free of host synchronisation."""
+    if condition.device.type == "cpu":
+        if not bool(condition):
+            raise ValueError(message)
+    else:
+        torch._assert_async(condition, message)
+
+
+def _positions_of(block_table: torch.Tensor | None, block_size: int, positions: torch.Tensor):
+    """(rows, offsets) indexing a paged cache's first two dims at each (b, position); for a dense
+    cache, (batch index, position)."""
+    if block_table is None:
+        return torch.arange(positions.shape[0], device=positions.device)[:, None], positions
+    blocks = block_table.long().gather(1, torch.div(positions, block_size, rounding_mode="floor"))
+    return blocks, positions % block_size
+
+
+def _append(cache: torch.Tensor, new: torch.Tensor, positions, block_table, block_size) -> None:
+    """Writes new (B, H_kv, L_new, D) at each sequence's positions (B, L_new), in place."""
+    rows, offsets = _positions_of(block_table, block_size, positions)
+    tokens = new.permute(0, 2, 1, 3)  # (B, L_new, H_kv, D)
+    if block_table is None:
+        cache.permute(0, 2, 1, 3)[rows, offsets] = tokens  # the (B, L_max, H_kv, D) view of the buffer
+    else:
+        cache[rows, offsets] = tokens
+
+
+def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cache_seqlens, block_table=None,
+                           scale=None, is_causal=True, window_size=None, softcap=None, alibi_slopes=None,
+                           return_lse=False, backend=None):
+    """Appends `key`/`value` to each sequence's cache, in place, and attends over the sequence.
+
+    Args:
+        query: (B, H_q, L_q, D), the last L_q positions of each sequence.
+        k_cache, v_cache: (B, H_kv, L_max, D) and (B, H_kv, L_max, D_v), any strides (a
+            (B, L_max, H_kv, D) buffer passed as `.transpose(1, 2)` works, with no copy); or, with
+            `block_table`, paged: (num_blocks, block_size, H_kv, D) blocks of any block size.
+        key, value: (B, H_kv, L_new, D) and (B, H_kv, L_new, D_v), or None (nothing to append).
+        cache_seqlens: int32 (B,): each sequence's length before the append.
+        block_table: int32 (B, max_blocks): the cache blocks of each sequence, in order.
+        is_causal: query i sees the keys up to its own position (bottom-right aligned to each
+            sequence's end), as in generation; with one query it sees the whole sequence anyway.
+        scale, window_size, softcap, alibi_slopes, return_lse, backend: as in `fused_attn.attention`,
+            positions counted within each sequence.
+
+    Returns:
+        (B, H_q, L_q, D_v), or (output, lse) when `return_lse`. No gradient flows (inference).
+    """
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        raise ValueError("query: expected a 4-D tensor (B, H_q, L_q, D)")
+    batch, _, len_q, _ = query.shape
+    paged = block_table is not None
+    _check_cache("k_cache", k_cache, paged, query)
+    _check_cache("v_cache", v_cache, paged, query)
+    _check_lengths(cache_seqlens, batch, query.device)
+    if paged:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+                or block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table: expected an int32 tensor of shape (B, max_blocks) with B = {batch}, "
+                             f"got {getattr(block_table, 'dtype', None)} of shape "
+                             f"{tuple(getattr(block_table, 'shape', ()))}")
+        block_size = k_cache.shape[1]
+        if v_cache.shape[:3] != k_cache.shape[:3]:
+            raise ValueError(f"v_cache: expected blocks (num_blocks, block_size, H_kv) = {tuple(k_cache.shape[:3])} "
+                             f"as k_cache, got {tuple(v_cache.shape[:3])}")
+        capacity = block_table.shape[1] * block_size
+    else:
+        block_size = 0
+        if k_cache.shape[0] != batch or v_cache.shape[:3] != k_cache.shape[:3]:
+            raise ValueError(f"k_cache, v_cache: expected (B, H_kv, L_max) alike with B = {batch}, got "
+                             f"{tuple(k_cache.shape[:3])} and {tuple(v_cache.shape[:3])}")
+        capacity = k_cache.shape[2]
+    if (key is None) != (value is None):
+        raise ValueError("key, value: expected both or neither")
+    len_new = 0 if key is None else key.shape[2]
+
+    with torch.no_grad():
+        if key is not None:
+            heads_kv = k_cache.shape[2] if paged else k_cache.shape[1]
+            for name, new, cache in (("key", key, k_cache), ("value", value, v_cache)):
+                expected = (batch, heads_kv, len_new, cache.shape[3])
+                if not isinstance(new, torch.Tensor) or tuple(new.shape) != expected or new.dtype != query.dtype:
+                    raise ValueError(f"{name}: expected shape {expected} and dtype {query.dtype}, got "
+                                     f"{tuple(getattr(new, 'shape', ()))} and {getattr(new, 'dtype', None)}")
+        lengths = cache_seqlens.long() + len_new
+        _assert_on_device(((cache_seqlens >= 0) & (lengths <= capacity)).all(),
+                          f"cache_seqlens: every length after the append must lie in [0, {capacity}] (the "
+                          f"cache's capacity)")
+        if key is not None:
+            positions = cache_seqlens.long()[:, None] + torch.arange(len_new, device=query.device)
+            _append(k_cache, key, positions, block_table, block_size)
+            _append(v_cache, value, positions, block_table, block_size)
+
+        if paged:  # each sequence's blocks, gathered in order: (B, H_kv, max_blocks · block_size, D)
+            keys = k_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
+            values = v_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
+        else:
+            keys, values = k_cache, v_cache
+        len_k = keys.shape[2]
+        key_index = torch.arange(len_k, device=query.device)
+        padding = key_index[None, :] >= lengths[:, None]
+        variant = variant_of(query, "bottom_right", window_size, softcap, alibi_slopes)
+        left, right = variant.bounds(False)  # the window alone: -1 where unbounded
+        if is_causal and len_q > 1:  # (one query sees no key after it: the sequence ends there)
+            right = 0
+        mask = None
+        if left >= 0 or right >= 0:
+            # Query i of sequence b sits at lengths[b] - L_q + i: its window and causal bound there.
+            position = lengths[:, None] - len_q + torch.arange(len_q, device=query.device)  # (B, L_q)
+            distance = key_index[None, None, :] - position[:, :, None]  # (B, L_q, L_k)
+            visible = torch.ones_like(distance, dtype=torch.bool)
+            if left >= 0:
+                visible &= distance >= -left
+            if right >= 0:
+                visible &= distance <= right
+            mask = visible[:, None]
+        if alibi_slopes is not None and not is_causal and len_q > 1:
+            raise ValueError("alibi_slopes: with is_causal=False and more than one query, some keys lie after "
+                             "a query, where ALiBi aligned to the cache's end is not a shift of the scores; "
+                             "pass is_causal=True or one query at a time")
+        out, lse = attention(query, keys, values, mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1],
+                             key_padding_mask=padding, return_lse=True, backend=backend,
+                             causal_alignment="bottom_right", softcap=softcap, alibi_slopes=alibi_slopes)
+        if alibi_slopes is not None:
+            # The kernels measured ALiBi's distances from the buffer's end, len_k - 1, where the
+            # sequence ends at lengths[b] - 1: every visible score of the row was lower by
+            # slope · (len_k - lengths[b]).
+            slopes = variant.alibi_slopes  # (B, H_q)
+            lse = lse + (slopes * (len_k - lengths)[:, None]).to(lse.dtype)[:, :, None]
+    return (out, lse) if return_lse else out
