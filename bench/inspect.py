@@ -8,8 +8,8 @@ whether it fits the device.
     python -m bench.inspect            # table
     python -m bench.inspect --json     # one JSON object per (backend, kernel, target, config)
 
-The tests run the JSON form once per session (`run_json`, the `static_gpu_report` fixture) and judge
-its rows (tests/test_triton_compile.py, tests/test_cuda_compile.py, tests/test_inspect.py).
+The tests run the JSON form once per session (`start_json`, started by tests/conftest.py when the
+collected tests need it, and the `static_gpu_report` fixture) and judge its rows (tests/test_triton_compile.py, tests/test_cuda_compile.py, tests/test_inspect.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+import typing
 from pathlib import Path
 
 from . import cuda_report, triton_report
@@ -81,15 +84,43 @@ class JsonRun:
         return [row for row in self.rows if row["backend"] == backend]
 
 
-def run_json(timeout: float = 3600) -> JsonRun:
-    """Runs `python -m bench.inspect --json` in a child process (TRITON_INTERPRET unset) and parses it."""
+@dataclasses.dataclass
+class PendingJsonRun:
+    """`python -m bench.inspect --json` running in a child process; `result()` waits for it. Its
+    output goes to temporary files, so that the child never waits on a full pipe."""
+
+    process: subprocess.Popen
+    stdout: typing.IO[str]
+    stderr: typing.IO[str]
+
+    def result(self, timeout: float = 3600) -> JsonRun:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.cancel()
+            raise
+        self.stdout.seek(0)
+        self.stderr.seek(0)
+        out, err = self.stdout.read(), self.stderr.read()
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        missing = dict(re.findall(rf"^({'|'.join(SOURCES)}): not compiled: (.*)$", err, re.MULTILINE))
+        return JsonRun(rows, missing, self.process.returncode, err)
+
+    def cancel(self) -> None:
+        """Stops the child and the compilers it started (its own process group)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def start_json() -> PendingJsonRun:
+    """Starts `python -m bench.inspect --json` in a child process (TRITON_INTERPRET unset)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-m", "bench.inspect", "--json"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    missing = dict(re.findall(rf"^({'|'.join(SOURCES)}): not compiled: (.*)$", done.stderr, re.MULTILINE))
-    return JsonRun(rows, missing, done.returncode, done.stderr)
+    stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    process = subprocess.Popen([sys.executable, "-m", "bench.inspect", "--json"], cwd=root, env=env, stdout=stdout,
+                               stderr=stderr, text=True, start_new_session=True)
+    return PendingJsonRun(process, stdout, stderr)
 
 
 def main(argv=None) -> int:

@@ -30,13 +30,33 @@ def generator():
     return torch.Generator().manual_seed(0x5EED)
 
 
+# The static GPU report compiles for minutes in a child process of its own. It starts as soon as the
+# collected tests are known to need it, so that it compiles beside the tests (mostly one busy thread,
+# the interpreter's) instead of after them.
+_pending_report = None
+
+
+def pytest_collection_finish(session):
+    global _pending_report
+    if any("static_gpu_report" in getattr(item, "fixturenames", ()) for item in session.items) \
+            and not session.config.option.collectonly:
+        from bench import inspect
+
+        _pending_report = inspect.start_json()
+
+
+def pytest_sessionfinish(session):
+    if _pending_report is not None:
+        _pending_report.cancel()  # a run that stopped before any test needed it
+
+
 @pytest.fixture(scope="session")
 def static_gpu_report():
     """`python -m bench.inspect --json` (every Triton and CUDA kernel compiled for sm_80 and sm_90),
     run once per session in a child process: a bench.inspect.JsonRun."""
     from bench import inspect
 
-    return inspect.run_json()
+    return (_pending_report or inspect.start_json()).result()
 
 
 @pytest.fixture(scope="session")
