@@ -4,6 +4,7 @@ from .backends.registry import BackendError, available_backends, use_backend
 from .functional import attention, split_heads_attention
 from .kvcache import attention_with_kvcache
 from .modules import MultiheadAttention, replace_attention
+from .varlen import attention_varlen
 
 __version__ = "0.1.0"
 
@@ -11,6 +12,7 @@ __all__ = [
     "BackendError",
     "MultiheadAttention",
     "attention",
+    "attention_varlen",
     "attention_with_kvcache",
     "available_backends",
     "replace_attention",

@@ -28,9 +28,8 @@ def _check_same(name: str, what: str, expected, got) -> None:
         raise ValueError(f"{name}: expected {what} {expected} (as query), got {got}")
 
 
-def _check_inputs(query, key, value, enable_gqa: bool) -> None:
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, tensor, 4, "(B, H, L, D)")
+def check_dtypes_and_devices(query, key, value) -> None:
+    """A supported dtype for query, and query's dtype and device for key and value."""
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"query: expected a dtype in {SUPPORTED_DTYPES}, got {query.dtype}")
     for name, tensor in (("key", key), ("value", value)):
@@ -38,6 +37,13 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
             raise TypeError(f"{name}: expected dtype {query.dtype} (as query), got {tensor.dtype}")
         if tensor.device != query.device:
             raise ValueError(f"{name}: expected device {query.device} (as query), got {tensor.device}")
+
+
+def _check_inputs(query, key, value, enable_gqa: bool) -> None:
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, tensor, 4, "(B, H, L, D)")
+    check_dtypes_and_devices(query, key, value)
+    for name, tensor in (("key", key), ("value", value)):
         _check_same(name, "batch size", query.shape[0], tensor.shape[0])
     if value.shape[1] != key.shape[1]:
         raise ValueError(f"value: expected {key.shape[1]} heads (as key), got {value.shape[1]}")

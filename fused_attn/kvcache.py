@@ -42,7 +42,7 @@ def _check_lengths(cache_seqlens, batch: int, device) -> None:
         raise ValueError(f"cache_seqlens: expected device {device} (as query), got {cache_seqlens.device}")
 
 
-def _assert_on_device(condition: torch.Tensor, message: str) -> None:
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
     """Raises `message` when `condition` (a bool tensor) is false: at once on the CPU, asynchronously
     (at the next synchronisation) on a GPU, which keeps the call free of host synchronisation."""
     if condition.device.type == "cpu":
@@ -129,7 +129,7 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
                     raise ValueError(f"{name}: expected shape {expected} and dtype {query.dtype}, got "
                                      f"{tuple(getattr(new, 'shape', ()))} and {getattr(new, 'dtype', None)}")
         lengths = cache_seqlens.long() + len_new
-        _assert_on_device(((cache_seqlens >= 0) & (lengths <= capacity)).all(),
+        assert_on_device(((cache_seqlens >= 0) & (lengths <= capacity)).all(),
                           f"cache_seqlens: every length after the append must lie in [0, {capacity}] (the "
                           f"cache's capacity)")
         if key is not None:

@@ -42,6 +42,7 @@ class Problem:
     mask_requires_grad: bool
     has_key_padding_mask: bool
     score_features: tuple[str, ...] = ()  # what the call's ScoreVariant asks (fused_attn.scores.FEATURES)
+    varlen: bool = False  # a packed batch of sequences (fused_attn.varlen); lengths are the largest possible
 
     @classmethod
     def of(cls, query, key, value, attn_mask, key_padding_mask, is_causal, dropout_p,

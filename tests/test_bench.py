@@ -263,3 +263,19 @@ def test_decode_bench_rows_on_a_small_shape():
     assert "FUSED_ATTN_CPU_DECODE" not in os.environ
     row = decode_bench.kvcache_row(torch.float32, 3, 1.0, heads_q=4, heads_kv=2, capacity=64, length=40, dim=16)
     assert row["rounds"] == 3 and row["vs_sdpa"] > 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_bench_compares_the_same_attention(causal):
+    from bench import varlen_bench
+
+    lengths = [5, 17, 9]
+    runs = varlen_bench.candidates(torch.float32, lengths, causal, backward=False)
+    packed, padded, sdpa = runs["varlen"](), runs["padded"](), runs["sdpa_padded"]()
+    for b, chunk in enumerate(packed.split(lengths)):
+        torch.testing.assert_close(padded[b, :, :lengths[b]], chunk.transpose(0, 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sdpa[b, :, :lengths[b]], chunk.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    for name, run in varlen_bench.candidates(torch.float32, lengths, causal, backward=True).items():
+        assert len(run()) == 3, name
+    assert varlen_bench.work_ratio([4, 4], causal) == 1.0
+    assert varlen_bench.work_ratio([2, 4], False) == (4 * 2 + 4 * 4) / (2 * 2 + 4 * 4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import packed
 from ..dropout import Dropout
 from ..problem import Problem
 from ..scores import PLAIN, ScoreVariant
@@ -31,6 +32,8 @@ class Backend:
     takes_dropout: bool = False
     takes_mask_gradient: bool = False
     takes_score_variants: frozenset[str] = frozenset()
+    # Packed batches of sequences (fused_attn.varlen): `forward_varlen` / `backward_varlen`.
+    takes_varlen: bool = False
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run at all here (missing build, library...), or None."""
@@ -56,6 +59,9 @@ class Backend:
             reasons.append("dropout is not supported (dropout_p > 0)")
         if problem.mask_requires_grad and not self.takes_mask_gradient:
             reasons.append("attn_mask requires grad (no mask gradient)")
+        if problem.varlen and not self.takes_varlen:
+            reasons.append("packed batches (attention_varlen) are not supported yet: the kernels do not read the "
+                           "sequence bounds themselves, and a loop over sequences would synchronise with the host")
         for feature in problem.score_features:
             if feature not in self.takes_score_variants:
                 reasons.append(f"{SCORE_FEATURE_NAMES[feature]} is not supported yet")
@@ -95,6 +101,26 @@ class Backend:
         The result must be deterministic: the same inputs give bit-identical gradients.
         """
         raise NotImplementedError
+
+    def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                       is_causal: bool, scale: float, out: torch.Tensor, lse: torch.Tensor,
+                       dropout: Dropout | None = None, variant: ScoreVariant = PLAIN) -> None:
+        """A packed batch (fused_attn.varlen): writes `out` (total_q, H_q, D_v) and `lse` (H_q, total_q).
+
+        query (total_q, H_q, D_qk), key (total_k, H_kv, D_qk), value (total_k, H_kv, D_v); sequence b
+        is tokens cu_seqlens[b] .. cu_seqlens[b + 1] (int32 or int64 (B + 1,), on the tensors' device);
+        `max_seqlen_*` bound the lengths (-1: not given); `variant.alibi_slopes` is (B, H_q). Sequence
+        b drops what a one-sequence call with `dropout`'s (seed, offset + b) drops. By default each
+        sequence runs `forward` on its strided view, its bounds read on the host."""
+        packed.forward(self, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse, dropout,
+                       variant)
+
+    def backward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                        is_causal: bool, scale: float, out, lse, grad_out, grad_lse, dropout: Dropout | None = None,
+                        variant: ScoreVariant = PLAIN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed gradients of query, key and value (`grad_lse`: None or (H_q, total_q))."""
+        return packed.backward(self, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse,
+                               grad_out, grad_lse, dropout, variant)
 
     def __repr__(self) -> str:
         return f"<fused_attn backend {self.name!r}>"

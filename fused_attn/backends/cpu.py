@@ -22,3 +22,4 @@ class CpuBackend(ExtensionBackend):
     takes_dropout = True
     takes_mask_gradient = True
     takes_score_variants = frozenset(FEATURES)
+    takes_varlen = True

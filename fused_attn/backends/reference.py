@@ -122,6 +122,7 @@ class ReferenceBackend(Backend):
     takes_dropout = True
     takes_mask_gradient = True
     takes_score_variants = frozenset(score_variants.FEATURES)
+    takes_varlen = True
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
                 variant=PLAIN):

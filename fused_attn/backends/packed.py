@@ -1,0 +1,70 @@
+"""Packed batches of sequences (fused_attn.varlen) run one sequence at a time: the default of
+`Backend.forward_varlen` / `backward_varlen` for backends whose kernels do not read sequence bounds.
+
+Sequence b is a strided (1, H, L, D) view of the packed (total, H, D) tensors, so the ordinary kernels
+read and write the packed storage in place. The bounds are read on the host (free for CPU tensors).
+Sequence b's dropout is a one-sequence call's with the call's (seed, offset + b).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..dropout import Dropout
+from ..scores import ScoreVariant, from_op_args
+
+
+def sequence_view(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens start .. end of a packed (total, H, ...) tensor as a (1, H, L, ...) view."""
+    return packed[start:end].transpose(0, 1).unsqueeze(0)
+
+
+def sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    """(b, q_start, q_end, k_start, k_end) of every sequence, read on the host."""
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(b, bounds_q[b], bounds_q[b + 1], bounds_k[b], bounds_k[b + 1]) for b in range(len(bounds_q) - 1)]
+
+
+def sequence_dropout(dropout: Dropout | None, b: int) -> Dropout | None:
+    if dropout is None:
+        return None
+    return Dropout(dropout.p, dropout.rng + torch.tensor([0, b], device=dropout.rng.device))
+
+
+def sequence_variant(variant: ScoreVariant, b: int) -> ScoreVariant:
+    """The variant of sequence b: its row of the (B, H_q) ALiBi slopes."""
+    if variant.alibi_slopes is None:
+        return variant
+    return from_op_args(*variant.op_args()[:4], variant.alibi_slopes[b:b + 1])
+
+
+def forward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse, dropout, variant):
+    for b, q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        seq_out, seq_lse = sequence_view(out, q0, q1), lse[:, q0:q1]
+        if k1 == k0:  # a sequence without keys: every row sees none
+            seq_out.zero_()
+            seq_lse.fill_(float("-inf"))
+            continue
+        seq_lse.copy_(backend.forward(sequence_view(query, q0, q1), sequence_view(key, k0, k1),
+                                      sequence_view(value, k0, k1), None, None, is_causal, scale, seq_out,
+                                      sequence_dropout(dropout, b), sequence_variant(variant, b))[0])
+
+
+def backward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse, grad_out, grad_lse,
+             dropout, variant):
+    # Zeros: the tokens of sequences without queries or without keys get no gradient.
+    grads = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    for b, q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0 or k1 == k0:
+            continue
+        seq_grad_lse = None if grad_lse is None else grad_lse[:, q0:q1].unsqueeze(0)
+        seq_grads = backend.backward(sequence_view(query, q0, q1), sequence_view(key, k0, k1),
+                                     sequence_view(value, k0, k1), None, None, is_causal, scale,
+                                     sequence_view(out, q0, q1), lse[:, q0:q1].unsqueeze(0),
+                                     sequence_view(grad_out, q0, q1), seq_grad_lse, sequence_dropout(dropout, b),
+                                     None, sequence_variant(variant, b))
+        for packed, grad, (start, end) in zip(grads, seq_grads, ((q0, q1), (k0, k1), (k0, k1))):
+            sequence_view(packed, start, end).copy_(grad)
+    return grads

@@ -1,0 +1,273 @@
+"""fused_attn.attention_varlen against its definition: the packed sequences padded into a batch, the
+padding hidden by key_padding_mask, the reference run in float64 and in the inputs' dtype, the padded
+rows dropped again. Bottom-right alignment pads on the left (each sequence's last query then sits on
+its last key in the padded batch too), top-left on the right."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fused_attn
+from fused_attn import testing
+from fused_attn.backends import registry
+from fused_attn.dropout import Dropout, peek_rng
+from fused_attn.problem import Problem
+from fused_attn.scores import variant_of
+from fused_attn.varlen import varlen_fwd
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenCase:
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...] | None = None  # None: the query lengths (self-attention)
+    heads_q: int = 4
+    heads_kv: int = 2
+    dim_qk: int = 16
+    dim_v: int = 16
+    is_causal: bool = False
+    causal_alignment: str = "top_left"
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
+    alibi: bool = False
+    lse_grad: bool = False
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        return self.lengths_q if self.lengths_k is None else self.lengths_k
+
+
+# Features drawn together; lengths with empty sequences, sequences without keys, more queries than
+# keys, and sequences longer than one CPU block (128 queries, 512 keys).
+CASES = {
+    "plain": VarlenCase((7, 33, 1, 20)),
+    "causal_gqa_lse": VarlenCase((5, 0, 40, 9), is_causal=True, lse_grad=True),
+    "cross_bottom_right": VarlenCase((3, 12, 30, 5), (17, 0, 30, 2), is_causal=True, causal_alignment="bottom_right",
+                                     heads_kv=1, dim_v=24),
+    "window_softcap_alibi": VarlenCase((50, 19, 4), (60, 7, 4), is_causal=True, causal_alignment="bottom_right",
+                                       window=(6, 2), softcap=4.0, alibi=True, lse_grad=True),
+    "long_window": VarlenCase((150, 2, 71), window=(20, 33), alibi=True, heads_kv=4, dim_qk=24),
+    "long_keys": VarlenCase((9, 130), (530, 140), softcap=2.5, heads_kv=1, lse_grad=True),
+}
+
+# Packed (total, H, D) tensors in their own layouts: contiguous, head-major storage, a slice of a
+# wider tensor (the head dim of a packed projection).
+PACKED_LAYOUTS = ("contiguous", "head_major", "sliced")
+
+
+def packed(values: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "head_major":
+        return values.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "sliced":
+        wide = torch.full((*values.shape[:2], values.shape[2] + 5), float("nan"), dtype=values.dtype)
+        wide[..., 3:3 + values.shape[2]] = values
+        return wide[..., 3:3 + values.shape[2]]
+    return values.contiguous()
+
+
+def cumulative(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@dataclasses.dataclass
+class Packed:
+    case: VarlenCase
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    grad_out: torch.Tensor
+    grad_lse: torch.Tensor | None
+    alibi_slopes: torch.Tensor | None
+
+    def keywords(self) -> dict:
+        case = self.case
+        return dict(is_causal=case.is_causal, causal_alignment=case.causal_alignment, window_size=case.window,
+                    softcap=case.softcap or None, alibi_slopes=self.alibi_slopes)
+
+
+def random_packed(case: VarlenCase, dtype, rotation: int, generator) -> Packed:
+    layouts = [PACKED_LAYOUTS[(rotation + i) % len(PACKED_LAYOUTS)] for i in range(4)]
+    total_q, total_k = sum(case.lengths_q), sum(case.keys)
+
+    def draw(total, heads, dim, layout):
+        return packed(torch.randn(total, heads, dim, generator=generator).to(dtype), layout)
+
+    query = draw(total_q, case.heads_q, case.dim_qk, layouts[0])
+    key = draw(total_k, case.heads_kv, case.dim_qk, layouts[1])
+    value = draw(total_k, case.heads_kv, case.dim_v, layouts[2])
+    grad_out = draw(total_q, case.heads_q, case.dim_v, layouts[3])
+    grad_lse = torch.randn(total_q, case.heads_q, generator=generator).t() if case.lse_grad else None
+    slopes = torch.rand(case.heads_q, len(case.lengths_q), generator=generator).t() if case.alibi else None
+    return Packed(case, query, key, value, grad_out, grad_lse, slopes)
+
+
+def padded_positions(lengths, width: int, left: bool) -> list[torch.Tensor]:
+    """Each sequence's positions in a batch padded to `width`, on the left or on the right."""
+    return [torch.arange(width - n, width) if left else torch.arange(n) for n in lengths]
+
+
+def pad(tensor: torch.Tensor, lengths, positions, width: int) -> torch.Tensor:
+    """Packed (total, H, D) -> (B, H, width, D), zeros where padded."""
+    out = tensor.new_zeros(len(lengths), tensor.shape[1], width, tensor.shape[2])
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :, positions[b]] = tensor[start:start + n].transpose(0, 1)
+        start += n
+    return out
+
+
+def unpad(tensor: torch.Tensor, positions) -> torch.Tensor:
+    """(B, H, width, ...) -> packed (total, H, ...)."""
+    return torch.cat([tensor[b, :, index].transpose(0, 1) for b, index in enumerate(positions)])
+
+
+def reference_of(inputs: Packed, dtype) -> testing.Results:
+    """The definition: pad, attend with the padded keys hidden, unpad (gradients too)."""
+    case = inputs.case
+    width_q, width_k = max(case.lengths_q, default=0), max(case.keys, default=0)
+    left = case.causal_alignment == "bottom_right"
+    rows = padded_positions(case.lengths_q, width_q, left)
+    columns = padded_positions(case.keys, width_k, left)
+    padding = torch.ones(len(case.keys), width_k, dtype=torch.bool)
+    for b, index in enumerate(columns):
+        padding[b, index] = False
+    q, k, v, grad_out = (pad(t, lengths, where, width) for t, lengths, where, width in (
+        (inputs.query, case.lengths_q, rows, width_q), (inputs.key, case.keys, columns, width_k),
+        (inputs.value, case.keys, columns, width_k), (inputs.grad_out, case.lengths_q, rows, width_q)))
+    grad_lse = None
+    if inputs.grad_lse is not None:
+        grad_lse = pad(inputs.grad_lse.t()[:, :, None], case.lengths_q, rows, width_q)[..., 0]
+    variant = variant_of(q, case.causal_alignment, case.window, case.softcap or None, inputs.alibi_slopes)
+    results = testing.reference_results(q, k, v, grad_out, dtype=dtype, key_padding_mask=padding,
+                                        is_causal=case.is_causal, grad_lse=grad_lse, variant=variant)
+    return testing.Results(unpad(results.out, rows), unpad(results.lse[..., None], rows)[..., 0].t(),
+                           unpad(results.grad_query, rows), unpad(results.grad_key, columns),
+                           unpad(results.grad_value, columns))
+
+
+def run_varlen(inputs: Packed, backend: str) -> testing.Results:
+    case = inputs.case
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    out, lse = fused_attn.attention_varlen(q, k, v, cumulative(case.lengths_q), cumulative(case.keys),
+                                           max(case.lengths_q), max(case.keys), return_lse=True, backend=backend,
+                                           **inputs.keywords())
+    outputs, grads_in = [out], [inputs.grad_out]
+    if inputs.grad_lse is not None:
+        outputs.append(lse)
+        grads_in.append(inputs.grad_lse)
+    return testing.Results(out.detach(), lse.detach(), *torch.autograd.grad(outputs, (q, k, v), grads_in))
+
+
+@pytest.mark.parametrize("dtype,rotation", [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2),
+                                            (torch.float64, 0)], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_matches_padded_definition(generator, backend, name, dtype, rotation):
+    inputs = random_packed(CASES[name], dtype, rotation, generator)
+    actual = run_varlen(inputs, backend)
+    testing.assert_close_to_reference(actual, reference_of(inputs, torch.float64), reference_of(inputs, dtype),
+                                      dtype)
+    # A sequence without keys: rows 0, lse -inf; the bounds of other sequences are never crossed.
+    lse = actual.lse
+    assert not torch.isnan(lse).any()
+    for b, (n_q, n_k) in enumerate(zip(CASES[name].lengths_q, CASES[name].keys)):
+        if n_k == 0 and n_q > 0:
+            start = sum(CASES[name].lengths_q[:b])
+            assert (lse[:, start:start + n_q] == float("-inf")).all()
+            assert (actual.out[start:start + n_q] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dropout_is_each_sequence_with_its_own_offset(generator, dtype):
+    """Sequence b drops what a one-sequence call with the call's (seed, offset + b) drops."""
+    case = VarlenCase((13, 0, 37, 6), (20, 4, 37, 6), is_causal=True, causal_alignment="bottom_right",
+                      window=(9, 0), softcap=3.0, alibi=True)
+    inputs = random_packed(case, dtype, 1, generator)
+    seed = 1234
+    rng = peek_rng(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    out = fused_attn.attention_varlen(q, k, v, cumulative(case.lengths_q), cumulative(case.keys), dropout_p=0.3,
+                                      backend="cpu", generator=torch.Generator().manual_seed(seed), **inputs.keywords())
+    grads = torch.autograd.grad(out, (q, k, v), inputs.grad_out)
+    starts_q, starts_k = cumulative(case.lengths_q).tolist(), cumulative(case.keys).tolist()
+    for b in range(len(case.lengths_q)):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        one = [t[s0:s1].transpose(0, 1).unsqueeze(0) for t, s0, s1 in (
+            (inputs.query, q0, q1), (inputs.key, k0, k1), (inputs.value, k0, k1), (inputs.grad_out, q0, q1))]
+        variant = variant_of(one[0], case.causal_alignment, case.window, case.softcap, inputs.alibi_slopes[b:b + 1])
+        dropout = Dropout(0.3, rng + torch.tensor([0, b]))
+        options = dict(is_causal=True, dropout=dropout, variant=variant)
+        exact = testing.reference_results(*one, dtype=torch.float64, **options)
+        same = testing.reference_results(*one, dtype=dtype, **options)
+        actual = testing.Results(out[q0:q1].transpose(0, 1).unsqueeze(0), exact.lse,
+                                 *(g[s0:s1].transpose(0, 1).unsqueeze(0)
+                                   for g, s0, s1 in zip(grads, (q0, k0, k0), (q1, k1, k1))))
+        testing.assert_close_to_reference(actual, exact, same, dtype)
+
+
+def test_compiles_without_graph_breaks_and_matches_eager(generator):
+    case = CASES["window_softcap_alibi"]
+    inputs = random_packed(case, torch.float32, 0, generator)
+    cu_q, cu_k = cumulative(case.lengths_q), cumulative(case.keys)
+
+    def step(q, k, v):
+        return fused_attn.attention_varlen(q, k, v, cu_q, cu_k, max(case.lengths_q), max(case.keys), backend="cpu",
+                                           **inputs.keywords())
+
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    eager = step(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    grads = torch.autograd.grad(compiled, (q, k, v), inputs.grad_out)
+    expected = torch.autograd.grad(eager, (q, k, v), inputs.grad_out)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_opcheck(generator):
+    case = CASES["causal_gqa_lse"]
+    inputs = random_packed(case, torch.float64, 0, generator)
+    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    args = (q, k, v, cumulative(case.lengths_q), cumulative(case.keys), -1, -1, True, 0.25, 0.0, None, "cpu",
+            3, 0, True, 2.0, None)
+    torch.library.opcheck(varlen_fwd, args)
+
+
+def test_gpu_kernels_refuse_with_their_reason():
+    problem = Problem(torch.device("cpu"), torch.float16, 3, 4, 4, 100, 100, 64, 64, False, 0.0, None, False, False,
+                      varlen=True)
+    for name in ("triton", "cuda"):
+        refusals = registry.get(name).refusals(problem)
+        assert any("attention_varlen" in reason and "synchronise" in reason for reason in refusals), refusals
+    assert registry.get("reference").refusals(problem) == registry.get("cpu").refusals(problem) == []
+
+
+def test_bad_arguments_are_named(generator):
+    q, k, v = torch.randn(10, 2, 8), torch.randn(12, 2, 8), torch.randn(12, 2, 8)
+    good_q, good_k = cumulative((4, 6)), cumulative((5, 7))
+
+    def call(**changes):
+        arguments = dict(query=q, key=k, value=v, cu_seqlens_q=good_q, cu_seqlens_k=good_k)
+        arguments.update(changes)
+        return fused_attn.attention_varlen(**arguments)
+
+    for changes, message in [
+        (dict(query=q[None]), "query: expected a 3-D"),
+        (dict(value=torch.randn(11, 2, 8)), "value: expected"),
+        (dict(key=torch.randn(12, 3, 8), value=torch.randn(12, 3, 8)), "key: expected a number of heads"),
+        (dict(cu_seqlens_q=good_q.float()), "cu_seqlens_q: expected an int32"),
+        (dict(cu_seqlens_k=cumulative((12,))), "cu_seqlens_k: expected shape"),
+        (dict(cu_seqlens_q=torch.tensor([0, 6, 4, 10], dtype=torch.int32)[[0, 1, 3]] - 1), "cu_seqlens_q: expected cumulative"),
+        (dict(cu_seqlens_q=torch.tensor([0, 7, 5], dtype=torch.int32)), "cu_seqlens_q: expected cumulative"),
+        (dict(cu_seqlens_k=cumulative((5, 6))), "cu_seqlens_k: expected cumulative"),
+        (dict(max_seqlen_q=5), "max_seqlen of cu_seqlens_q"),
+        (dict(max_seqlen_k=-2), "max_seqlen_k: expected None or an int"),
+        (dict(alibi_slopes=torch.rand(3, 2)), "alibi_slopes: expected shape"),
+        (dict(dropout_p=1.0), "dropout_p"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            call(**changes)
