@@ -2,7 +2,8 @@
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
 bf16; head dims 64 and 128; causal and not, causal with dropout, causal with every score variant of
-fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi) with key padding, and for dK/dV
+fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi) with key padding, the same
+with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), and for dK/dV
 causal with dropout and the gradient of a learned additive bias, alone and with the score variants)
 for sm_80 and sm_90 with Triton's
 own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
@@ -36,23 +37,37 @@ from . import gpu_binaries
 
 TARGETS = {"sm_80": 80, "sm_90": 90}
 TENSOR_CORE_PREFIX = {"sm_80": "HMMA", "sm_90": "HGMMA"}
+# Kernels whose tiles are narrower than a warpgroup's 64 rows (the decode kernel's 16 query rows):
+# their products are warp-level mma (HMMA) on sm_90 too, still tensor cores.
+NARROW_TILE_KERNELS = ("decode",)
+
+
+def tensor_core_prefix(kernel: str, target: str) -> str:
+    return "HMMA" if kernel in NARROW_TILE_KERNELS else TENSOR_CORE_PREFIX[target]
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq")
-# Kernels whose work is matrix products; the preprocess is a row-wise reduction without any.
-MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
-PREPROCESS_CONFIG = "BLOCK_M={block_m},warps={warps},stages=1"
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "decode_combine")
+# Kernels whose work is matrix products; the preprocess and the decode combine are row-wise reductions.
+MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
+# Kernels launched at a fixed config rather than a default of triton_kernels' tables.
+FIXED_CONFIG = "BLOCK_M={block_m},{block_n}warps={warps},stages={stages}"
 # (causal, dropout, bias_grad, scores) variants of the kernels with products; the preprocess depends on
-# none. bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel only; scores
-# is every score variant at once (window, bottom-right alignment, softcap, ALiBi) and key padding.
+# none but the packing. bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel
+# only; scores True is every score variant at once (window, bottom-right alignment, softcap, ALiBi) and
+# key padding, "packed" every score variant over a packed batch of sequences (fused_attn.varlen).
+PACKED = "packed"
 VARIANTS = ((False, False, False, False), (True, False, False, False), (True, True, False, False),
-            (True, False, False, True))
+            (True, False, False, True), (True, True, False, PACKED))
 
 
-def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool], ...]:
+def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     if kernel == "bwd_dkdv":
         return (*VARIANTS, (True, True, True, False), (True, True, True, True))
-    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False, False),)
+    if kernel == "decode":  # no dropout (calls with dropout take the long-query kernels), no packing
+        return ((False, False, False, False), (True, False, False, True))
+    if kernel == "decode_combine":
+        return ((False, False, False, False),)
+    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False, False), (False, False, False, PACKED))
 
 
 def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
@@ -107,10 +122,19 @@ def _signature(fn, args, constexprs):
     return signature, constants, attrs
 
 
+def _fixed(constexprs, warps, stages, block_n=True):
+    """(config text, compile options) of a kernel launched at a fixed config."""
+    text = FIXED_CONFIG.format(block_m=constexprs["BLOCK_M"], warps=warps, stages=stages,
+                               block_n=f"BLOCK_N={constexprs['BLOCK_N']}," if block_n else "")
+    return text, {"num_warps": warps, "num_stages": stages}
+
+
 def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_grad, scores):
-    """(kernel fn, args, constexprs, config string or None, dtype) for one report row: the preprocess
-    comes with its fixed config; the other kernels take their default one in `_compile_row`."""
+    """(kernel fn, args, constexprs, fixed config or None, dtype) for one report row: the preprocess
+    and the decode kernels come with their fixed (text, options); the other kernels take their default
+    one in `_compile_row`."""
     import torch
+    from fused_attn.backends import triton_decode
     from fused_attn.backends import triton_kernels as tk
     from fused_attn.dropout import Dropout
     from fused_attn.problem import output_like
@@ -118,13 +142,24 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
 
     dtype = getattr(torch, dtype_name)
     batch, heads, length = 2, 4, 256
-    # (B, L, H, D) storage viewed as (B, H, L, D): heads split out of (B, L, E) projections.
+    packed = scores == PACKED
+    # (B, L, H, D) storage viewed as (B, H, L, D): heads split out of (B, L, E) projections; packed,
+    # (total, H, D) tensors viewed as (B, H, total, D) with a batch stride of 0, as a launch sees them.
     def tensor():
+        if packed:
+            return tk.batched(torch.empty(batch * length, heads, head_dim, dtype=dtype), batch)
         return torch.empty(batch, length, heads, head_dim, dtype=dtype).permute(0, 2, 1, 3)
     q, k, v, grad_out = tensor(), tensor(), tensor(), tensor()
-    out = output_like(q, head_dim, seq_first=False)
-    lse = torch.empty(batch, heads, length, dtype=torch.float32)
-    delta = torch.empty_like(lse)
+    out = tensor() if packed else output_like(q, head_dim, seq_first=False)
+    if packed:
+        lse = torch.empty(heads, batch * length, dtype=torch.float32).expand(batch, -1, -1)
+        delta = torch.empty(heads, batch * length, dtype=torch.float32).expand(batch, -1, -1)
+        bounds = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32)
+        sequences = tk.Sequences(bounds, bounds, length, length)
+    else:
+        lse = torch.empty(batch, heads, length, dtype=torch.float32)
+        delta = torch.empty_like(lse)
+        sequences = None
     scale = head_dim ** -0.5
     # A threshold above 2^31, as dropout_p = 0.6 gives: the 64-bit integer argument.
     drop = Dropout(0.6, torch.tensor([2 ** 40 + 7, 3])) if dropout else None
@@ -135,21 +170,33 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     # key padding and its per-row span of keys.
     variant = (ScoreVariant(bottom_right=True, window_left=128, window_right=0, softcap=30.0,
                             alibi_slopes=torch.empty(batch, heads)) if scores else PLAIN)
-    padding = torch.zeros(batch, length, dtype=torch.bool) if scores else None
+    padding = torch.zeros(batch, length, dtype=torch.bool) if scores is True else None
+    if kernel in triton_decode.KERNELS:  # one query row per head against the keys, in 4 splits
+        q1 = q[:, :, :1]
+        part_o, part_lse = triton_decode.workspace(q1, k, v, 4)
+        if kernel == "decode":
+            args, constexprs = triton_decode.decode_args(q1, k, v, None, padding, causal, scale, variant, 4,
+                                                         part_o, part_lse)
+            fixed = _fixed(constexprs, triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES)
+        else:
+            args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4)
+            fixed = _fixed(constexprs, triton_decode.COMBINE_WARPS, 1, block_n=False)
+        return triton_decode.KERNELS[kernel], args, constexprs, fixed, dtype
     if kernel == "fwd":
-        args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant)
+        args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant, sequences)
     elif kernel == "bwd_preprocess":
-        args, constexprs = tk.preprocess_args(out, grad_out, None, delta)
-        config = PREPROCESS_CONFIG.format(block_m=constexprs["BLOCK_M"], warps=tk.PREPROCESS_WARPS)
-        return tk.KERNELS[kernel], args, constexprs, config, dtype
+        args, constexprs = tk.preprocess_args(out, grad_out, None, delta, sequences)
+        return tk.KERNELS[kernel], args, constexprs, _fixed(constexprs, tk.PREPROCESS_WARPS, 1, block_n=False), dtype
     else:
-        grads = (torch.empty_like(k), torch.empty_like(v)) if kernel == "bwd_dkdv" else (torch.empty_like(q),)
+        def gradient(like):  # laid out as a launch lays out its gradients
+            return tensor() if packed else torch.empty_like(like)
+        grads = (gradient(k), gradient(v)) if kernel == "bwd_dkdv" else (gradient(q),)
         args, constexprs = tk.backward_args(kernel, q, k, v, bias, padding, causal, scale, grad_out, lse, delta,
-                                            grads, drop, grad_bias, variant)
+                                            grads, drop, grad_bias, variant, sequences)
     return tk.KERNELS[kernel], args, constexprs, None, dtype
 
 
-def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool) -> dict:
+def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool, kernel: str = "fwd") -> dict:
     tool = gpu_binaries.find_cuobjdump()
     usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
@@ -181,7 +228,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool)
                                               local_accesses)
     if not opcodes:
         problems.append("no SASS instructions found in the cubin")
-    prefix = TENSOR_CORE_PREFIX[target]
+    prefix = tensor_core_prefix(kernel, target)
     if needs_tensor_cores and not any(op.split(".")[0] == prefix for op in tensor_core):
         problems.append(f"no {prefix} instructions (found {sorted(tensor_core) or 'none'})")
     row["problems"] = problems
@@ -195,14 +242,15 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     from triton.compiler import ASTSource
     from fused_attn.backends import triton_kernels as tk
 
-    fn, args, constexprs, config_text, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
-                                                                    dropout, bias_grad, scores)
-    options = {"num_warps": tk.PREPROCESS_WARPS, "num_stages": 1}
-    if config_text is None:
+    fn, args, constexprs, fixed, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
+                                                              dropout, bias_grad, scores)
+    if fixed is None:
         config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize, constexprs)
         constexprs = dict(constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)
+    else:
+        config_text, options = fixed
     row = {"backend": "triton", "kernel": kernel, "target": target, "dtype": dtype_name,
            "head_dim": head_dim, "causal": causal, "dropout": dropout, "bias_grad": bias_grad, "scores": scores,
            "config": config_text}
@@ -221,7 +269,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
         metadata = {"shared": compiled.metadata.shared}
         # fp32 products in full precision ("ieee", PyTorch's default) run on FMA units by design.
         exact_fp32 = constexprs.get("PRECISION") == "ieee" and dtype_name == "float32"
-        row.update(_inspect(cubin, metadata, target, kernel in MATMUL_KERNELS and not exact_fp32))
+        row.update(_inspect(cubin, metadata, target, kernel in MATMUL_KERNELS and not exact_fp32, kernel))
     row["fits"] = not row["problems"]
     return row
 

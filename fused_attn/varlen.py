@@ -186,8 +186,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             cu_seqlens[b] .. cu_seqlens[b + 1]; 0 first and the total last. Empty sequences are
             allowed (a sequence without keys gives 0, lse -inf).
         max_seqlen_q, max_seqlen_k: the longest sequence, or None. Given, they are checked on the
-            device (asynchronously on a GPU); nothing in the call depends on them, and nothing
-            synchronises with the host to find them.
+            device (asynchronously on a GPU), and the triton kernels' grid is made for them; omitted,
+            the triton backend reads them from the lengths (a host synchronisation on a GPU).
         dropout_p, is_causal, scale, causal_alignment, window_size, softcap, generator: as in
             `fused_attn.attention`, positions counted within each sequence ("bottom_right" aligns
             each sequence's last query with its last key).

@@ -178,6 +178,52 @@ def test_score_variants_match_reference(name, dtype, rotation, generator):
     testing.check_inputs(results, inputs)
 
 
+# Few query rows: the split-KV decode kernels (fused_attn.backends.triton_decode) run the forward.
+DECODE_CASES = {
+    "one_query_gqa": Case(len_q=1, len_k=700, heads_q=8, heads_kv=2, batch=1),
+    "one_query_padding_softcap": Case(len_q=1, len_k=333, key_padding=True, softcap=3.0, alibi="batch"),
+    "few_queries_bottom_right_window": Case(len_q=5, len_k=600, heads_q=4, heads_kv=1, is_causal=True,
+                                            causal_alignment="bottom_right", window=(300, 0), alibi="heads"),
+    "queries_over_keys_masks": Case(len_q=16, len_k=9, heads_q=4, heads_kv=4, is_causal=True,
+                                    causal_alignment="bottom_right", mask="additive", mask_shape="heads_keys",
+                                    hidden_rows=True, lse_grad=True),
+    "bool_mask_mqa_odd_dims": Case(len_q=3, len_k=280, heads_q=6, heads_kv=1, mask="bool", dim_qk=40, dim_v=24,
+                                   key_padding=True),
+}
+
+
+@pytest.mark.parametrize("splits", [None, "3"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_kernels_match_reference(name, dtype, splits, generator, monkeypatch):
+    """Split-KV forward (the backward runs the long-query kernels on its output and lse): splits from
+    the problem, and three forced ones (uneven, some empty under a window or padding)."""
+    from fused_attn.backends import triton_decode
+
+    if splits is not None:
+        monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", splits)
+    inputs = make_inputs(DECODE_CASES[name], dtype, 3, generator)
+    assert triton_decode.takes(inputs.query, inputs.key, None)
+    launched = []
+    original = triton_decode.split_count
+    monkeypatch.setattr(triton_decode, "split_count", lambda *a: launched.append(original(*a)) or launched[-1])
+    results = run_backend(inputs)
+    assert launched and (splits is None or launched == [3])
+    testing.check_inputs(results, inputs)
+
+
+def test_decode_split_count_follows_the_problem():
+    from fused_attn.backends import triton_decode
+
+    cpu = torch.device("cpu")
+    sms = triton_decode.INTERPRETER_SMS
+    assert triton_decode.split_count(1, 1, 4096, cpu) == 8  # 1 program -> 2 * sms, keys allow it
+    assert triton_decode.split_count(1, 1, 300, cpu) == 1   # too few keys to split
+    assert triton_decode.split_count(2 * sms, 1, 8192, cpu) == 1  # enough programs already
+    assert not triton_decode.takes(torch.empty(1, 8, 17, 16), torch.empty(1, 8, 40, 16), None)
+    assert not triton_decode.takes(torch.empty(1, 32, 4, 16), torch.empty(1, 1, 40, 16), None)  # 128 rows
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", ["gqa", "key_padding_and_mask", "lse_grad_gqa", "hidden_rows"])
 def test_gradients_bitwise_identical_on_two_runs(name, dtype, generator):

@@ -2,12 +2,13 @@
 
 Every kernel is compiled at its default configs for sm_80 and sm_90 by Triton's own compiler (fp16 and
 bf16, head dims 64 and 128, causal and not, causal with dropout, causal with every score variant,
-dK/dV also with a learned bias's gradient; see bench/triton_report.py), and its cubin is read back
+dK/dV also with a learned bias's gradient, packed batches, the split-KV decode kernels; see
+bench/triton_report.py), and its cubin is read back
 with cuobjdump: it compiles, nothing spills (no local loads/stores in the SASS, no stack), the matrix
 products run on tensor cores (HMMA on sm_80, HGMMA on sm_90), and shared memory fits the device
 (163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows of `python -m bench.inspect --json`,
-run once per test session (the `static_gpu_report` fixture of conftest.py; 120 Triton compilations,
-about 140 s on this 2-core machine, plus the CUDA report that tests/test_cuda_compile.py reads).
+run once per test session (the `static_gpu_report` fixture of conftest.py; 176 Triton compilations,
+beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_default_config_compiles_within_the_device(rows, combination):
     assert 0 < row["shared_bytes"] <= gpu_binaries.SHARED_MEMORY_LIMIT[target]
     mnemonics = {name.split(".")[0] for name in row["tensor_core_instructions"]}
     if kernel in triton_report.MATMUL_KERNELS:
-        assert triton_report.TENSOR_CORE_PREFIX[target] in mnemonics, row["tensor_core_instructions"]
+        assert triton_report.tensor_core_prefix(kernel, target) in mnemonics, row["tensor_core_instructions"]
     else:
         assert not mnemonics  # the preprocess is a reduction: no products
 
@@ -100,9 +101,10 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
     from fused_attn.backends import triton_kernels as tk
 
     for (kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores), row in rows.items():
-        if kernel not in triton_report.MATMUL_KERNELS:
+        if kernel not in triton_report.MATMUL_KERNELS or kernel not in tk.KERNELS:  # decode: a fixed config
             continue
-        config = tk.default_config(kernel, target, head_dim, 2, dict(HAS_DROPOUT=dropout, HAS_MASK_GRAD=bias_grad))
+        config = tk.default_config(kernel, target, head_dim, 2, dict(HAS_DROPOUT=dropout, HAS_MASK_GRAD=bias_grad,
+                                                                     VARLEN=scores == triton_report.PACKED))
         assert str(config) == row["config"]
         estimate = tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2, dropout)
         assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,

@@ -19,6 +19,14 @@ from fused_attn.scores import variant_of
 from fused_attn.varlen import varlen_fwd
 
 
+def triton_on_this_machine(request) -> None:
+    """Skips unless the triton kernels run here (a GPU, or the interpreter on CPU tensors, with its
+    bf16 remedy)."""
+    if registry.get("triton").unavailable() is not None or torch.cuda.is_available():
+        pytest.skip("the triton kernels need a CUDA device or TRITON_INTERPRET=1 (tests run on CPU tensors)")
+    request.getfixturevalue("interpreter_remedies")
+
+
 @dataclasses.dataclass(frozen=True)
 class VarlenCase:
     lengths_q: tuple[int, ...]
@@ -160,11 +168,17 @@ def run_varlen(inputs: Packed, backend: str) -> testing.Results:
     return testing.Results(out.detach(), lse.detach(), *torch.autograd.grad(outputs, (q, k, v), grads_in))
 
 
-@pytest.mark.parametrize("dtype,rotation", [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2),
-                                            (torch.float64, 0)], ids=str)
+DTYPE_ROTATIONS = [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2), (torch.float64, 0)]
+
+
+@pytest.mark.parametrize("dtype,rotation", DTYPE_ROTATIONS, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_matches_padded_definition(generator, backend, name, dtype, rotation):
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_matches_padded_definition(generator, backend, name, dtype, rotation, request):
+    if backend == "triton":
+        if dtype == torch.float64:
+            pytest.skip("the triton kernels take float16, bfloat16 and float32")
+        triton_on_this_machine(request)
     inputs = random_packed(CASES[name], dtype, rotation, generator)
     actual = run_varlen(inputs, backend)
     testing.assert_close_to_reference(actual, reference_of(inputs, torch.float64), reference_of(inputs, dtype),
@@ -180,8 +194,11 @@ def test_matches_padded_definition(generator, backend, name, dtype, rotation):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_dropout_is_each_sequence_with_its_own_offset(generator, dtype):
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_dropout_is_each_sequence_with_its_own_offset(generator, backend, dtype, request):
     """Sequence b drops what a one-sequence call with the call's (seed, offset + b) drops."""
+    if backend == "triton":
+        triton_on_this_machine(request)
     case = VarlenCase((13, 0, 37, 6), (20, 4, 37, 6), is_causal=True, causal_alignment="bottom_right",
                       window=(9, 0), softcap=3.0, alibi=True)
     inputs = random_packed(case, dtype, 1, generator)
@@ -189,7 +206,7 @@ def test_dropout_is_each_sequence_with_its_own_offset(generator, dtype):
     rng = peek_rng(torch.device("cpu"), torch.Generator().manual_seed(seed))
     q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
     out = fused_attn.attention_varlen(q, k, v, cumulative(case.lengths_q), cumulative(case.keys), dropout_p=0.3,
-                                      backend="cpu", generator=torch.Generator().manual_seed(seed), **inputs.keywords())
+                                      backend=backend, generator=torch.Generator().manual_seed(seed), **inputs.keywords())
     grads = torch.autograd.grad(out, (q, k, v), inputs.grad_out)
     starts_q, starts_k = cumulative(case.lengths_q).tolist(), cumulative(case.keys).tolist()
     for b in range(len(case.lengths_q)):
@@ -207,6 +224,23 @@ def test_dropout_is_each_sequence_with_its_own_offset(generator, dtype):
                                  *(g[s0:s1].transpose(0, 1).unsqueeze(0)
                                    for g, s0, s1 in zip(grads, (q0, k0, k0), (q1, k1, k1))))
         testing.assert_close_to_reference(actual, exact, same, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["causal_gqa_lse", "window_softcap_alibi"])
+def test_triton_small_tiles_cross_sequences_in_every_kernel(generator, name, dtype, request):
+    """Tiles of 16 and 32 rows: blocks straddle the ends of sequences (in the packed storage, the next
+    sequence's tokens), and query and key blocks lie past a short sequence's end."""
+    triton_on_this_machine(request)
+    from fused_attn.backends import triton_kernels as tk
+
+    tiles = dict(fwd=tk.KernelConfig(16, 32, 4, 1), bwd_dkdv=tk.KernelConfig(32, 16, 4, 1),
+                 bwd_dq=tk.KernelConfig(16, 32, 4, 1))
+    inputs = random_packed(CASES[name], dtype, 2, generator)
+    with tk.forced_configs(**tiles):
+        actual = run_varlen(inputs, "triton")
+    testing.assert_close_to_reference(actual, reference_of(inputs, torch.float64), reference_of(inputs, dtype),
+                                      dtype)
 
 
 def test_compiles_without_graph_breaks_and_matches_eager(generator):
@@ -237,13 +271,14 @@ def test_opcheck(generator):
     torch.library.opcheck(varlen_fwd, args)
 
 
-def test_gpu_kernels_refuse_with_their_reason():
+def test_backends_declare_packed_batches():
+    """cuda refuses packed batches with its reason; cpu, reference and triton take them."""
     problem = Problem(torch.device("cpu"), torch.float16, 3, 4, 4, 100, 100, 64, 64, False, 0.0, None, False, False,
                       varlen=True)
-    for name in ("triton", "cuda"):
-        refusals = registry.get(name).refusals(problem)
-        assert any("attention_varlen" in reason and "synchronise" in reason for reason in refusals), refusals
+    refusals = registry.get("cuda").refusals(problem)
+    assert any("attention_varlen" in reason and "synchronise" in reason for reason in refusals), refusals
     assert registry.get("reference").refusals(problem) == registry.get("cpu").refusals(problem) == []
+    assert registry.get("triton").takes_varlen
 
 
 def test_bad_arguments_are_named(generator):

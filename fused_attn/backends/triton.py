@@ -1,6 +1,8 @@
 """The `triton` backend: FlashAttention-2 kernels written in Triton (see `triton_kernels`).
 
-Chosen automatically for CUDA tensors. With TRITON_INTERPRET=1 set before the kernels are first
+Chosen automatically for CUDA tensors. Forward calls with few query rows (L_q <= 16) run the
+split-KV decode kernels of `triton_decode` (FUSED_ATTN_TRITON_DECODE=0 turns them off); packed batches
+(`attention_varlen`) run in one launch per kernel. With TRITON_INTERPRET=1 set before the kernels are first
 imported, it also accepts CPU tensors and runs the same kernels through Triton's interpreter; it is
 never chosen automatically for them (`backend="triton"` asks for it).
 """
@@ -41,6 +43,7 @@ class TritonBackend(Backend):
     takes_dropout = True
     takes_mask_gradient = True
     takes_score_variants = frozenset(FEATURES)
+    takes_varlen = True  # the kernels read each sequence's bounds: one launch, no host synchronisation
 
     def unavailable(self) -> str | None:
         if (reason := triton_compat.unsupported()) is not None:
@@ -77,8 +80,14 @@ class TritonBackend(Backend):
             out.zero_()
             return torch.full((batch, heads_q, len_q), float("-inf"), dtype=torch.float32,
                               device=query.device)
-        return _kernels().forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-                                  dropout, variant)
+        kernels = _kernels()
+        from . import triton_decode  # after the kernels it builds on
+
+        if triton_decode.takes(query, key, dropout):
+            return triton_decode.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
+                                         variant)
+        return kernels.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
+                               dropout, variant)
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                  grad_out, grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
@@ -87,3 +96,15 @@ class TritonBackend(Backend):
             return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
         return _kernels().backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
                                    out, lse, grad_out, grad_lse, dropout, grad_mask, variant)
+
+    def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                       scale, out, lse, dropout=None, variant=PLAIN):
+        self.check_variant(variant, is_causal)
+        _kernels().forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  is_causal, scale, out, lse, dropout, variant)
+
+    def backward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                        scale, out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
+        self.check_variant(variant, is_causal)
+        return _kernels().backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          is_causal, scale, out, lse, grad_out, grad_lse, dropout, variant)

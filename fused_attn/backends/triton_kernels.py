@@ -14,6 +14,11 @@ FlashAttention-2 in structure:
                            it also writes dS, a learned additive mask's gradient, where asked;
                dQ          one program per query block, looping over key blocks.
 
+Packed batches (fused_attn.varlen, VARLEN): the tensors arrive as (B, H, total, D) views with a batch
+stride of 0; each program reads its sequence's bounds from the cumulative lengths (`_packed_sequence`)
+and the grid is made for the longest sequence, so one launch per kernel serves the whole batch.
+Calls with few query rows take the split-KV kernels of `triton_decode` instead of the forward here.
+
 The score variants of fused_attn.scores are constexpr switches: BANDED (query i sees keys
 i + DIAG - LEFT .. i + DIAG + RIGHT; causal is RIGHT = 0; a side without a bound gets L_Q + L_K,
 which no index pair reaches), SOFTCAP and HAS_ALIBI, applied by `_variant_scores` and `_in_band`
@@ -65,13 +70,14 @@ LOG2E = math.log2(math.e)
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dropout_bits(RNG, batch_head, offs_m, start_n, BLOCK_N: tl.constexpr):
+def _dropout_bits(RNG, batch_head, sequence, offs_m, start_n, BLOCK_N: tl.constexpr):
     """The 32-bit random integers of a (query rows `offs_m`, keys start_n .. start_n + BLOCK_N) tile,
     uint32 [len(offs_m), BLOCK_N]: the formula of fused_attn.dropout (Philox4x32-10 on counter
-    (j // 4, i, b * H_q + h, offset), key = seed, output j % 4). One Philox block serves four keys,
-    so the rounds run on a quarter of the tile; `start_n` is a multiple of 4."""
+    (j // 4, i, batch_head, offset + sequence), key = seed, output j % 4; see `_dropout_stream`). One
+    Philox block serves four keys, so the rounds run on a quarter of the tile; `start_n` is a
+    multiple of 4."""
     seed = tl.load(RNG)
-    offset = tl.load(RNG + 1)
+    offset = tl.load(RNG + 1) + sequence
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     quads = start_n // 4 + tl.arange(0, BLOCK_N // 4)
@@ -95,6 +101,35 @@ def _dropout_bits(RNG, batch_head, offs_m, start_n, BLOCK_N: tl.constexpr):
     # 2a + b of the quad is at row-major position 4 * quad + 2a + b, the key it belongs to.
     lanes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
     return tl.reshape(lanes, [offs_m.shape[0], BLOCK_N])
+
+
+@triton.jit
+def _dropout_stream(off_b, off_h, H_Q, VARLEN: tl.constexpr):
+    """(batch_head, sequence) of `_dropout_bits` for batch row off_b, query head off_h: b * H_q + h and 0;
+    in a packed batch, sequence b is a one-sequence call with offset + b (fused_attn.varlen)."""
+    batch_head = off_b * H_Q + off_h
+    sequence = 0
+    if VARLEN:  # one return: Triton requires every return of a function to have the same types
+        batch_head = off_h
+        sequence = off_b
+    return batch_head, sequence
+
+
+@triton.jit
+def _packed_sequence(CU_Q, CU_K, off_b, L_Q, L_K, DIAG, VARLEN: tl.constexpr):
+    """(first query token, first key token, L_Q, L_K, DIAG) of batch row off_b. In a packed batch
+    (VARLEN) the row is sequence off_b of cumulative lengths CU_Q / CU_K: its tokens start there, its
+    own lengths replace the bounds L_Q / L_K the grid was made for, and DIAG, 1 for bottom-right
+    alignment and 0 for top-left, becomes its own diagonal L_K - L_Q or 0."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:  # one return: Triton requires every return of a function to have the same types
+        q_start = tl.load(CU_Q + off_b).to(tl.int64)
+        k_start = tl.load(CU_K + off_b).to(tl.int64)
+        L_Q = (tl.load(CU_Q + off_b + 1) - q_start).to(tl.int32)
+        L_K = (tl.load(CU_K + off_b + 1) - k_start).to(tl.int32)
+        DIAG = DIAG * (L_K - L_Q)
+    return q_start, k_start, L_Q, L_K, DIAG
 
 
 @triton.jit
@@ -130,8 +165,47 @@ def _within_span(SPANS, off_b, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _visible_scores(q, k_t, q_idx, offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base, stride_pn, slope2,
+                    softcap2, qk_scale, DIAG, LEFT, RIGHT, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+                    BANDED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+    """The base-2 scores of a (query rows, keys) tile, every variant and mask applied, -inf where a key
+    is hidden, and the softcap's derivative (`_variant_scores`). `q_idx` [rows, 1] are the rows' query
+    indices, `mask_base` [rows, 1] their mask pointers, `slope2` a scalar or [rows, 1]; `k_t` is
+    [D, keys]."""
+    offs_n64 = offs_n.to(tl.int64)
+    # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
+    s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+    s, cap_grad = _variant_scores(s, q_idx, offs_n[None, :], slope2, softcap2, DIAG, SOFTCAP, HAS_ALIBI)
+    visible = col_ok[None, :] & row_ok[:, None]
+    if BANDED:
+        visible = visible & _in_band(q_idx, offs_n[None, :], DIAG, LEFT, RIGHT)
+    if MASK_KIND == 1:
+        attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
+        visible = visible & (attend != 0)
+    if MASK_KIND == 2:
+        bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    if HAS_KPM:
+        padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
+        visible = visible & (padded == 0)[None, :]
+    return tl.where(visible, s, float("-inf")), cap_grad
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One key block of the online softmax: (p, alpha, m_new, l_new) for base-2 scores `s` and the
+    running row max `m_i` and sum `l_i`; the accumulator is to be scaled by alpha."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no key yet keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI,
+    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -142,7 +216,7 @@ def _attn_fwd(
     H_Q, GROUP, L_Q, L_K, qk_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
@@ -154,6 +228,13 @@ def _attn_fwd(
     off_b = (pid_bh // H_Q).to(tl.int64)
     off_h = (pid_bh % H_Q).to(tl.int64)
     off_hkv = off_h // GROUP
+    q_start, k_start, L_Q, L_K, DIAG = _packed_sequence(CU_Q, CU_K, off_b, L_Q, L_K, DIAG, VARLEN)
+    Q += q_start * stride_qm
+    O += q_start * stride_om
+    LSE += q_start * stride_lm
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    drop_bh, drop_sequence = _dropout_stream(off_b, off_h, H_Q, VARLEN)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m64 = offs_m.to(tl.int64)
@@ -185,38 +266,21 @@ def _attn_fwd(
         hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
     if HAS_KPM:  # keys outside the span the row's padding leaves are never visited
         lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
+    if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
+        hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
         col_ok = offs_n < L_K
         k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-        # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-        s, _ = _variant_scores(s, offs_m[:, None], offs_n[None, :], slope2, softcap2, DIAG, SOFTCAP, HAS_ALIBI)
-        visible = col_ok[None, :] & row_ok[:, None]
-        if BANDED:
-            visible = visible & _in_band(offs_m[:, None], offs_n[None, :], DIAG, LEFT, RIGHT)
-        if MASK_KIND == 1:
-            attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
-            visible = visible & (attend != 0)
-        if MASK_KIND == 2:
-            bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
-            s = s + bias.to(tl.float32) * 1.4426950408889634
-        if HAS_KPM:
-            padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
-            visible = visible & (padded == 0)[None, :]
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps max -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
+                               stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, MASK_KIND, HAS_KPM, BANDED,
+                               SOFTCAP, HAS_ALIBI, PRECISION)
+        p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
         if HAS_DROPOUT:
             # The sum above is of the undropped weights; the kept ones are scaled at the end.
-            bits = _dropout_bits(RNG, pid_bh, offs_m, start_n, BLOCK_N)
+            bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
             p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
         v = tl.load(v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
@@ -239,20 +303,27 @@ def _attn_fwd(
 
 @triton.jit
 def _attn_bwd_preprocess(
-    O, DO, GRAD_LSE, DELTA,
+    O, DO, GRAD_LSE, DELTA, CU_Q,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_gb, stride_gh, stride_gm, stride_gd,
-    stride_lb, stride_lh, stride_lm,
+    stride_lb, stride_lh, stride_lm, stride_db, stride_dh,
     H_Q, L_Q,
-    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, BLOCK_M: tl.constexpr,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GRAD_LSE: tl.constexpr, VARLEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) - grad_lse, fp32, stored (B, H_q, L_q) contiguous."""
+    """delta = rowsum(dO * O) - grad_lse, fp32, stored (B, H_q, L_q) with strides (stride_db,
+    stride_dh, 1) (packed: (H_q, total_q) with a batch stride of 0)."""
     num_m = tl.cdiv(L_Q, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = pid % num_m
     pid_bh = pid // num_m
     off_b = (pid_bh // H_Q).to(tl.int64)
     off_h = (pid_bh % H_Q).to(tl.int64)
+    q_start, _, L_Q, _, _ = _packed_sequence(CU_Q, CU_Q, off_b, L_Q, 0, 0, VARLEN)
+    O += q_start * stride_om
+    DO += q_start * stride_gm
+    GRAD_LSE += q_start * stride_lm
+    DELTA += q_start
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m64 = offs_m.to(tl.int64)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -268,12 +339,12 @@ def _attn_bwd_preprocess(
         grad_lse = tl.load(GRAD_LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm,
                            mask=row_ok, other=0.0)
         delta = delta - grad_lse.to(tl.float32)
-    tl.store(DELTA + pid_bh.to(tl.int64) * L_Q + offs_m64, delta, mask=row_ok)
+    tl.store(DELTA + off_b * stride_db + off_h * stride_dh + offs_m64, delta, mask=row_ok)
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DK, DV, DMASK,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DK, DV, DMASK, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -283,11 +354,11 @@ def _attn_bwd_dkdv(
     stride_pb, stride_pn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dmb, stride_dmh, stride_dmm, stride_dmn, stride_ab, stride_ah,
+    stride_dmb, stride_dmh, stride_dmm, stride_dmn, stride_ab, stride_ah, stride_db, stride_dh,
     H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
     HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One key block of one key/value head: dK and dV summed over its query heads and query blocks,
@@ -301,6 +372,15 @@ def _attn_bwd_dkdv(
     pid_bh = pid // num_n
     off_b = (pid_bh // H_KV).to(tl.int64)
     off_hkv = (pid_bh % H_KV).to(tl.int64)
+    q_start, k_start, L_Q, L_K, DIAG = _packed_sequence(CU_Q, CU_K, off_b, L_Q, L_K, DIAG, VARLEN)
+    Q += q_start * stride_qm
+    DO += q_start * stride_gm
+    LSE += q_start * stride_lm
+    DELTA += q_start
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    DK += k_start * stride_dkn
+    DV += k_start * stride_dvn
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n64 = offs_n.to(tl.int64)
@@ -331,6 +411,8 @@ def _attn_bwd_dkdv(
         span_first = tl.load(SPANS + 2 * off_b)
         span_end = tl.load(SPANS + 2 * off_b + 1)
         hi = tl.where((span_end <= pid_n * BLOCK_N) | (span_first >= (pid_n + 1) * BLOCK_N), lo, hi)
+    if VARLEN:  # a key block past its sequence's end (the grid is made for the longest)
+        hi = tl.where(pid_n * BLOCK_N < L_K, hi, lo)
     # The group's query heads in a fixed order, so the sum is the same on every run.
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g
@@ -340,7 +422,7 @@ def _attn_bwd_dkdv(
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_gb + off_h * stride_gh
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
-        delta_base = DELTA + (off_b * H_Q + off_h) * L_Q
+        delta_base = DELTA + off_b * stride_db + off_h * stride_dh
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_n64[:, None] * stride_mn
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -371,7 +453,8 @@ def _attn_bwd_dkdv(
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             if HAS_DROPOUT:
                 # dV takes the dropped weights (scaled at the end); dS = P (Z dP / (1 - p) - delta).
-                bits_t = tl.trans(_dropout_bits(RNG, off_b * H_Q + off_h, offs_m, pid_n * BLOCK_N, BLOCK_N))
+                drop_bh, drop_sequence = _dropout_stream(off_b, off_h, H_Q, VARLEN)
+                bits_t = tl.trans(_dropout_bits(RNG, drop_bh, drop_sequence, offs_m, pid_n * BLOCK_N, BLOCK_N))
                 keep_t = bits_t.to(tl.int64) >= drop_threshold
                 dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
                 dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
@@ -399,7 +482,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DQ,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -407,11 +490,11 @@ def _attn_bwd_dq(
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ab, stride_ah,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ab, stride_ah, stride_db, stride_dh,
     H_Q, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One query block: dQ = dS K * scale over the key blocks it sees."""
@@ -422,6 +505,15 @@ def _attn_bwd_dq(
     off_b = (pid_bh // H_Q).to(tl.int64)
     off_h = (pid_bh % H_Q).to(tl.int64)
     off_hkv = off_h // GROUP
+    q_start, k_start, L_Q, L_K, DIAG = _packed_sequence(CU_Q, CU_K, off_b, L_Q, L_K, DIAG, VARLEN)
+    Q += q_start * stride_qm
+    DO += q_start * stride_gm
+    LSE += q_start * stride_lm
+    DELTA += q_start
+    DQ += q_start * stride_dqm
+    K += k_start * stride_kn
+    V += k_start * stride_vn
+    drop_bh, drop_sequence = _dropout_stream(off_b, off_h, H_Q, VARLEN)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_m64 = offs_m.to(tl.int64)
@@ -437,7 +529,7 @@ def _attn_bwd_dq(
     lse = tl.load(LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm,
                   mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * L_Q + offs_m64, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + off_b * stride_db + off_h * stride_dh + offs_m64, mask=row_ok, other=0.0)
     k_base = K + off_b * stride_kb + off_hkv * stride_kh
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_m64[:, None] * stride_mm
@@ -454,6 +546,8 @@ def _attn_bwd_dq(
         hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
     if HAS_KPM:  # keys outside the span the row's padding leaves are never visited
         lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
+    if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
+        hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
@@ -462,25 +556,13 @@ def _attn_bwd_dq(
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
                       mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
-        s, cap_grad = _variant_scores(s, offs_m[:, None], offs_n[None, :], slope2, softcap2, DIAG, SOFTCAP,
-                                      HAS_ALIBI)
-        visible = col_ok[None, :] & row_ok[:, None]
-        if BANDED:
-            visible = visible & _in_band(offs_m[:, None], offs_n[None, :], DIAG, LEFT, RIGHT)
-        if MASK_KIND == 1:
-            attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
-            visible = visible & (attend != 0)
-        if MASK_KIND == 2:
-            bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
-            s = s + bias.to(tl.float32) * 1.4426950408889634
-        if HAS_KPM:
-            padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
-            visible = visible & (padded == 0)[None, :]
-        p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+        s, cap_grad = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
+                                      kpm_base, stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, MASK_KIND,
+                                      HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, PRECISION)
+        p = tl.exp2(s - lse2[:, None])  # 0 where hidden (s = -inf; lse2 is finite)
         dp = tl.dot(do, v_t, input_precision=PRECISION)
         if HAS_DROPOUT:
-            bits = _dropout_bits(RNG, pid_bh, offs_m, start_n, BLOCK_N)
+            bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
             dp = tl.where(bits.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -580,13 +662,24 @@ _DROPOUT_DEFAULTS = {
 }
 
 
+# Packed batches (VARLEN) with dropout, where the sequence bounds' registers tip the dropout tiles
+# above into spilling; chosen the same way. Keyed (kernel, arch, head dim of the table).
+_PACKED_DROPOUT_DEFAULTS = {
+    ("bwd_dkdv", "sm_80", 128): _K(32, 32, 8, 2),
+    ("bwd_dq", "sm_80", 128): _K(64, 32, 8, 2),
+}
+
+
 def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
                    constexprs: dict | None = None) -> KernelConfig:
     """The default of `kernel` on `arch` ("sm_80" or "sm_90") for a padded head dim and, where given,
-    the features of the launch (its constexprs: dropout and a bias gradient have tiles of their own)."""
+    the features of the launch (its constexprs: dropout, a bias gradient and packed batches with
+    dropout have tiles of their own)."""
     table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
     dim = min(dim for dim in table if dim >= head_dim)
     if constexprs and constexprs.get("HAS_DROPOUT") and element_size == 2:
+        if constexprs.get("VARLEN") and (kernel, arch, dim) in _PACKED_DROPOUT_DEFAULTS:
+            return _PACKED_DROPOUT_DEFAULTS[(kernel, arch, dim)]
         key = (kernel, arch, dim, bool(constexprs.get("HAS_MASK_GRAD")))
         if key in _DROPOUT_DEFAULTS:
             return _DROPOUT_DEFAULTS[key]
@@ -680,15 +773,49 @@ def _dropout_args(dropout, dummy):
     return dropout.rng, dropout.threshold, dropout.keep_scale
 
 
-def _variant_args(variant, is_causal, len_q, len_k, dummy):
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+    """A packed batch (fused_attn.varlen): cumulative lengths (B + 1,) on the device and the longest
+    sequences, which the grid is made for. The packed (total, H, D) tensors reach the kernels as
+    (B, H, total, D) views with a batch stride of 0 (`batched`); each program finds its sequence."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def batched(packed: torch.Tensor, batch: int) -> torch.Tensor:
+    """A packed (total, H, ...) tensor as a (B, H, total, ...) view, batch stride 0."""
+    heads_first = packed.transpose(0, 1)
+    return heads_first.unsqueeze(0).expand(batch, *heads_first.shape)
+
+
+def _sequence_args(sequences: Sequences | None, dummy):
+    """(CU_Q, CU_K) kernel pointers and the VARLEN constexpr."""
+    if sequences is None:
+        return (dummy, dummy), dict(VARLEN=False)
+    return (sequences.cu_seqlens_q, sequences.cu_seqlens_k), dict(VARLEN=True)
+
+
+def _lengths(query, key, sequences: Sequences | None) -> tuple[int, int]:
+    """The L_Q and L_K the grid is made for: the longest sequences of a packed batch."""
+    if sequences is None:
+        return query.shape[2], key.shape[2]
+    return sequences.max_seqlen_q, sequences.max_seqlen_k
+
+
+def _variant_args(variant, is_causal, len_q, len_k, dummy, packed=False):
     """A call's score variant (fused_attn.scores) as kernel arguments: (ALIBI pointer, its (B, H_q)
     strides, (DIAG, LEFT, RIGHT, softcap2)) and its constexprs. An unbounded side of the band gets
-    L_Q + L_K, which no index pair reaches."""
+    L_Q + L_K, which no index pair reaches. A `packed` batch gets DIAG 1 for bottom-right alignment
+    (each program computes its sequence's own diagonal)."""
     left, right = variant.bounds(is_causal)
     beyond = len_q + len_k
     slopes = variant.alibi_slopes
     pointer, strides = (dummy, (0, 0)) if slopes is None else (slopes, tuple(slopes.stride()))
-    runtime = (variant.offset(len_q, len_k), beyond if left == UNBOUNDED else left,
+    diagonal = int(variant.bottom_right) if packed else variant.offset(len_q, len_k)
+    runtime = (diagonal, beyond if left == UNBOUNDED else left,
                beyond if right == UNBOUNDED else right, variant.softcap * LOG2E)
     constexprs = dict(BANDED=left != UNBOUNDED or right != UNBOUNDED, SOFTCAP=variant.softcap > 0.0,
                       HAS_ALIBI=slopes is not None)
@@ -696,40 +823,48 @@ def _variant_args(variant, is_causal, len_q, len_k, dummy):
 
 
 def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None,
-                 variant=PLAIN):
+                 variant=PLAIN, sequences: Sequences | None = None):
     """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report."""
-    batch, heads_q, len_q, dim_qk = query.shape
-    heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
+    batch, heads_q, _, dim_qk = query.shape
+    heads_kv, dim_v = key.shape[1], value.shape[3]
+    len_q, len_k = _lengths(query, key, sequences)
     mask, kind, mask_strides, padding, padding_strides, spans = _mask_args(attn_mask, key_padding_mask, query)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
-    alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse)
-    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi,
+    alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse,
+                                                                             sequences is not None)
+    bounds, packed_constexprs = _sequence_args(sequences, lse)
+    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
             *mask_strides, *padding_strides, *alibi_strides,
             heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E,
             drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
-                      HAS_KPM=key_padding_mask is not None, **variant_constexprs,
+                      HAS_KPM=key_padding_mask is not None, **variant_constexprs, **packed_constexprs,
                       HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
     return args, constexprs
 
 
-def preprocess_args(out, grad_out, grad_lse, delta):
+def preprocess_args(out, grad_out, grad_lse, delta, sequences: Sequences | None = None):
+    """`delta` is (B, H_q, L_q) with a unit last stride (packed: (B, H_q, total) with batch stride 0)."""
     batch, heads_q, len_q, dim_v = out.shape
+    len_q = len_q if sequences is None else sequences.max_seqlen_q
     glse, glse_strides = (grad_lse, grad_lse.stride()) if grad_lse is not None else (delta, (0, 0, 0))
-    args = (out, grad_out, glse, delta, *out.stride(), *grad_out.stride(), *glse_strides, heads_q, len_q)
+    bounds, packed_constexprs = _sequence_args(sequences, delta)
+    args = (out, grad_out, glse, delta, bounds[0], *out.stride(), *grad_out.stride(), *glse_strides,
+            *delta.stride()[:2], heads_q, len_q)
     constexprs = dict(D_V=dim_v, BLOCK_DV=padded_head_dim(dim_v), HAS_GRAD_LSE=grad_lse is not None,
-                      BLOCK_M=PREPROCESS_BLOCK_M)
+                      **packed_constexprs, BLOCK_M=PREPROCESS_BLOCK_M)
     return args, constexprs
 
 
 def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_causal, scale, grad_out, lse,
-                  delta, grads, dropout=None, grad_mask=None, variant=PLAIN):
+                  delta, grads, dropout=None, grad_mask=None, variant=PLAIN, sequences: Sequences | None = None):
     """(positional args, constexprs) of `_attn_bwd_dkdv` (grads = (dk, dv), and the mask's gradient
     where asked for) or `_attn_bwd_dq` (grads = (dq,))."""
-    batch, heads_q, len_q, dim_qk = query.shape
-    heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
+    batch, heads_q, _, dim_qk = query.shape
+    heads_kv, dim_v = key.shape[1], value.shape[3]
+    len_q, len_k = _lengths(query, key, sequences)
     mask, kind, mask_strides, padding, padding_strides, spans = _mask_args(attn_mask, key_padding_mask, query)
     common = (*query.stride(), *key.stride(), *value.stride(), *grad_out.stride(), *lse.stride(),
               *mask_strides, *padding_strides)
@@ -741,13 +876,15 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
         grad_strides += (0, 0, 0, 0) if grad_mask is None else tuple(grad_mask.stride())
         extra = dict(HAS_MASK_GRAD=grad_mask is not None)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
-    alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse)
-    args = (query, key, value, grad_out, lse, delta, mask, padding, spans, rng, alibi, *grads, *common, *grad_strides,
-            *alibi_strides, *sizes, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E, float(scale),
-            drop_threshold, keep_scale, *variant_values)
+    alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse,
+                                                                             sequences is not None)
+    bounds, packed_constexprs = _sequence_args(sequences, lse)
+    args = (query, key, value, grad_out, lse, delta, mask, padding, spans, rng, alibi, *grads, *bounds, *common,
+            *grad_strides, *alibi_strides, *delta.stride()[:2], *sizes, heads_q // heads_kv, len_q, len_k,
+            float(scale) * LOG2E, float(scale), drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
-                      HAS_KPM=key_padding_mask is not None, **variant_constexprs,
+                      HAS_KPM=key_padding_mask is not None, **variant_constexprs, **packed_constexprs,
                       HAS_DROPOUT=dropout is not None, **extra, PRECISION=_precision(query.dtype))
     return args, constexprs
 
@@ -811,7 +948,7 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
 
 
 AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "HAS_DROPOUT",
-                "SOFTCAP", "HAS_ALIBI", "PRECISION")
+                "SOFTCAP", "HAS_ALIBI", "VARLEN", "PRECISION")
 
 
 def autotune_key(kernel: str) -> list[str]:
@@ -873,37 +1010,94 @@ def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, ou
     """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q)."""
     batch, heads_q, len_q, _ = query.shape
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
+    _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout, variant)
+    return lse
+
+
+def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout, variant,
+             sequences=None):
     args, constexprs = forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                    out, lse, dropout, variant)
+                                    out, lse, dropout, variant, sequences)
+    batch, heads_q = query.shape[:2]
+    len_q, _ = _lengths(query, key, sequences)
     with _on_device(query):
         _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
-    return lse
 
 
 def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
              grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
     """(dq, dk, dv), each laid out like its input, and dS written into `grad_mask` where given;
     deterministic (no atomics, fixed summation order)."""
+    batch, heads_q, len_q, _ = out.shape
+    delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
+    grads = tuple(new_gradient(t) for t in (query, key, value))
     with _on_device(query):
-        return _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                         grad_out, grad_lse, dropout, grad_mask, variant)
+        _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
+                  grad_lse, dropout, grad_mask, variant, delta, grads)
+    return grads
 
 
 def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
-              grad_lse, dropout, grad_mask, variant):
-    batch, heads_q, len_q, dim_v = out.shape
-    heads_kv, len_k = key.shape[1], key.shape[2]
-    delta = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
-    args, constexprs = preprocess_args(out, grad_out, grad_lse, delta)
+              grad_lse, dropout, grad_mask, variant, delta, grads, sequences=None):
+    """Writes `grads` (dq, dk, dv) through the preprocess, dK/dV and dQ kernels."""
+    batch, heads_q = query.shape[:2]
+    heads_kv = key.shape[1]
+    len_q, len_k = _lengths(query, key, sequences)
+    args, constexprs = preprocess_args(out, grad_out, grad_lse, delta, sequences)
     grid = (triton.cdiv(len_q, PREPROCESS_BLOCK_M) * batch * heads_q,)
     KERNELS["bwd_preprocess"][grid](*args, **constexprs, num_warps=PREPROCESS_WARPS, num_stages=1)
 
-    grad_query, grad_key, grad_value = (new_gradient(t) for t in (query, key, value))
+    grad_query, grad_key, grad_value = grads
     args, constexprs = backward_args("bwd_dkdv", query, key, value, attn_mask, key_padding_mask, is_causal,
                                      scale, grad_out, lse, delta, (grad_key, grad_value), dropout, grad_mask,
-                                     variant)
+                                     variant, sequences)
     _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query)
     args, constexprs = backward_args("bwd_dq", query, key, value, attn_mask, key_padding_mask, is_causal,
-                                     scale, grad_out, lse, delta, (grad_query,), dropout, variant=variant)
+                                     scale, grad_out, lse, delta, (grad_query,), dropout, variant=variant,
+                                     sequences=sequences)
     _launch("bwd_dq", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
-    return grad_query, grad_key, grad_value
+
+
+def longest(cu_seqlens: torch.Tensor, given: int) -> int:
+    """The longest sequence: `given`, or read from the lengths (a host synchronisation on a GPU)."""
+    if given >= 0:
+        return given
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+
+
+def forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                   out, lse, dropout=None, variant=PLAIN):
+    """A packed batch in one launch: writes `out` (total_q, H_q, D_v) and `lse` (H_q, total_q)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    sequences = Sequences(cu_seqlens_q, cu_seqlens_k, longest(cu_seqlens_q, max_seqlen_q),
+                          longest(cu_seqlens_k, max_seqlen_k))
+    if batch == 0 or sequences.max_seqlen_q == 0:
+        return
+    q, k, v, o = (batched(t, batch) for t in (query, key, value, out))
+    _forward(q, k, v, None, None, is_causal, scale, o, lse.unsqueeze(0).expand(batch, *lse.shape), dropout,
+             variant, sequences)
+
+
+def backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                    out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
+    """The packed gradients (dq, dk, dv) in one launch per kernel; `grad_lse` None or (H_q, total_q)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    sequences = Sequences(cu_seqlens_q, cu_seqlens_k, longest(cu_seqlens_q, max_seqlen_q),
+                          longest(cu_seqlens_k, max_seqlen_k))
+    # Every token is written by the program of its sequence (a sequence without queries gets dK = dV = 0
+    # from empty loops, one without keys dQ = 0), provided the grid covers each: hence the bounds.
+    grads = tuple(new_gradient(t) for t in (query, key, value))
+    if batch == 0 or max(sequences.max_seqlen_q, sequences.max_seqlen_k) == 0:
+        for grad in grads:
+            grad.zero_()
+        return grads
+    delta = torch.empty((query.shape[1], query.shape[0]), dtype=torch.float32, device=query.device)
+
+    def as_batch(t):
+        return None if t is None else t.unsqueeze(0).expand(batch, *t.shape)
+
+    q, k, v, o, g = (batched(t, batch) for t in (query, key, value, out, grad_out))
+    with _on_device(query):
+        _backward(q, k, v, None, None, is_causal, scale, o, as_batch(lse), g, as_batch(grad_lse), dropout, None,
+                  variant, as_batch(delta), tuple(batched(t, batch) for t in grads), sequences)
+    return grads

@@ -1,0 +1,242 @@
+"""Split-KV ("flash-decoding") Triton kernels for calls with few query rows: generation steps.
+
+With L_q of 1 to 16, the long-query forward wastes most of a query tile (one useful row of 64 or
+128) and runs one program per (batch, head): far fewer than a GPU has SMs. Here:
+
+    decode    one program per (batch, key/value head, split of the keys): the rows of the whole GQA
+              group (G · L_q, padded to a tile of at least 16) against its share of the keys, so each
+              key/value block is read once for the group; writes the split's normalised output and
+              its base-2 log-sum-exp into an fp32 workspace.
+    combine   one program per (batch, query head, query row): merges the splits through their
+              log-sum-exps (max-shifted, so no exp overflows), writes the output and the natural
+              log-sum-exp.
+
+The split count comes from the problem and the device: enough programs for two per SM, each split at
+least `MIN_KEYS_PER_SPLIT` keys. Masks, key padding (its span narrows each split), the band (causal,
+windows, either alignment), softcap and ALiBi are read as the long-query kernels read them (the same
+`_in_band`, `_variant_scores`); dropout is not (calls with dropout take the long-query kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_kernels as tk
+
+MIN_KEYS_PER_SPLIT = 256
+MAX_QUERIES = 16      # L_q up to this takes the decode kernels ...
+MAX_ROWS = 64         # ... when its group's rows, G · L_q, fit one tile
+DECODE_WARPS, DECODE_STAGES = 4, 2
+COMBINE_WARPS = 4
+
+
+@triton.jit
+def _attn_decode(
+    Q, K, V, MASK, KPM, SPANS, ALIBI, PART_O, PART_LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_pb, stride_pn, stride_ab, stride_ah,
+    H_KV, GROUP, L_Q, L_K, SPLITS, KEYS_PER_SPLIT, qk_scale, DIAG, LEFT, RIGHT, softcap2,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One split of the keys for one key/value head's query group. The workspace is PART_O
+    (B, H_kv, SPLITS, BLOCK_M, BLOCK_DV) and PART_LSE (B, H_kv, SPLITS, BLOCK_M), contiguous, fp32."""
+    pid = tl.program_id(0)
+    split = pid % SPLITS
+    pid_bh = pid // SPLITS
+    off_b = (pid_bh // H_KV).to(tl.int64)
+    off_hkv = (pid_bh % H_KV).to(tl.int64)
+
+    # Row r of the tile is query i = r % L_Q of head h = off_hkv * GROUP + r // L_Q.
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * L_Q
+    offs_i = rows % L_Q
+    offs_h = off_hkv * GROUP + rows // L_Q
+    offs_i64 = offs_i.to(tl.int64)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + off_b * stride_qb + offs_h[:, None] * stride_qh + offs_i64[:, None] * stride_qm
+                + offs_dqk[None, :] * stride_qd, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    mask_base = MASK + off_b * stride_mb + offs_h[:, None] * stride_mh + offs_i64[:, None] * stride_mm
+    slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope2 = tl.load(ALIBI + off_b * stride_ab + offs_h * stride_ah, mask=row_ok, other=0.0) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(L_K, lo + KEYS_PER_SPLIT)
+    if BANDED:  # the keys any of the L_q queries sees (rows 0 .. L_q - 1 of the band)
+        lo = tl.maximum(lo, tl.maximum(0, DIAG - LEFT) // BLOCK_N * BLOCK_N)
+        hi = tl.minimum(hi, tl.maximum(0, L_Q - 1 + DIAG + RIGHT + 1))
+    if HAS_KPM:
+        lo, hi = tk._within_span(SPANS, off_b, lo, hi, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n64 = offs_n.to(tl.int64)
+        col_ok = offs_n < hi
+        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        s, _ = tk._visible_scores(q, k_t, offs_i[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
+                                  KPM + off_b * stride_pb, stride_pn, slope2[:, None], softcap2, qk_scale, DIAG,
+                                  LEFT, RIGHT, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, PRECISION)
+        p, alpha, m_new, l_i = tk._online_softmax(s, m_i, l_i)
+        v = tl.load(v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    part = (pid_bh.to(tl.int64) * SPLITS + split) * BLOCK_M
+    tl.store(PART_O + (part + rows[:, None]) * BLOCK_DV + offs_dv[None, :], acc / l_safe[:, None])
+    tl.store(PART_LSE + part + rows, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")))
+
+
+@triton.jit
+def _attn_decode_combine(
+    PART_O, PART_LSE, O, LSE,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    H_Q, H_KV, GROUP, L_Q, SPLITS,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One query row: the splits' outputs weighted by 2^(lse_s - max) / sum; lse in natural units."""
+    pid = tl.program_id(0)
+    off_i = pid % L_Q
+    off_bh = pid // L_Q
+    off_b = (off_bh // H_Q).to(tl.int64)
+    off_h = (off_bh % H_Q).to(tl.int64)
+    row = (off_h % GROUP) * L_Q + off_i
+    group = off_b * H_KV + off_h // GROUP
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    split_ok = offs_s < SPLITS
+    parts = (group * SPLITS + offs_s) * BLOCK_M + row
+    lse = tl.load(PART_LSE + parts, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.exp2(lse - m_safe)  # 0 for splits that saw no key
+    total = tl.sum(weight, 0)
+    outs = tl.load(PART_O + parts[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
+    seen = total > 0.0
+    out = tl.sum(outs * weight[:, None], 0) / tl.where(seen, total, 1.0)
+    tl.store(O + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_dv * stride_od,
+             out.to(O.dtype.element_ty), mask=offs_dv < D_V)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_i * stride_lm,
+             tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453, float("-inf")))
+
+
+KERNELS = {"decode": _attn_decode, "decode_combine": _attn_decode_combine}
+
+
+def enabled() -> bool:
+    return os.environ.get("FUSED_ATTN_TRITON_DECODE", "1") != "0"
+
+
+def takes(query, key, dropout) -> bool:
+    """Whether a forward call runs the decode kernels: few query rows per key/value head, no dropout."""
+    len_q, group = query.shape[2], query.shape[1] // key.shape[1]
+    return enabled() and dropout is None and 0 < len_q <= MAX_QUERIES and group * len_q <= MAX_ROWS \
+        and key.shape[2] > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# The interpreter has no SMs; this count makes small test problems split.
+INTERPRETER_SMS = 4
+
+
+def split_count(batch: int, heads_kv: int, len_k: int, device: torch.device) -> int:
+    """Splits of the keys: doubled while programs are fewer than twice the SMs and each split keeps
+    at least MIN_KEYS_PER_SPLIT keys (FUSED_ATTN_TRITON_DECODE_SPLITS overrides)."""
+    forced = os.environ.get("FUSED_ATTN_TRITON_DECODE_SPLITS")
+    if forced:
+        return max(1, int(forced))
+    sms = _sm_count(tk._device_index(torch.empty(0, device=device))) if device.type == "cuda" else INTERPRETER_SMS
+    splits = 1
+    while batch * heads_kv * splits < 2 * sms and len_k // (2 * splits) >= MIN_KEYS_PER_SPLIT:
+        splits *= 2
+    return splits
+
+
+def tile_rows(rows: int) -> int:
+    return max(16, triton.next_power_of_2(rows))
+
+
+def block_n(dtype: torch.dtype, head_dim: int) -> int:
+    """Keys per block: 64, or 32 for fp32 at head dims over 64 (registers)."""
+    return 32 if dtype == torch.float32 and head_dim > 64 else 64
+
+
+def decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits, part_o, part_lse):
+    """(positional args, constexprs) of `_attn_decode`, shared by the launch and the static report."""
+    batch, heads_q, len_q, dim_qk = query.shape
+    heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
+    mask, kind, mask_strides, padding, padding_strides, spans = tk._mask_args(attn_mask, key_padding_mask, query)
+    alibi, alibi_strides, variant_values, variant_constexprs = tk._variant_args(variant, is_causal, len_q, len_k,
+                                                                                part_lse)
+    bn = block_n(query.dtype, max(dim_qk, dim_v))
+    keys_per_split = triton.cdiv(triton.cdiv(len_k, splits), bn) * bn
+    args = (query, key, value, mask, padding, spans, alibi, part_o, part_lse,
+            *query.stride(), *key.stride(), *value.stride(), *mask_strides, *padding_strides, *alibi_strides,
+            heads_kv, heads_q // heads_kv, len_q, len_k, splits, keys_per_split, float(scale) * tk.LOG2E,
+            *variant_values)
+    constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=tk.padded_head_dim(dim_qk),
+                      BLOCK_DV=tk.padded_head_dim(dim_v), MASK_KIND=kind, HAS_KPM=key_padding_mask is not None,
+                      **{name: variant_constexprs[name] for name in ("BANDED", "SOFTCAP", "HAS_ALIBI")},
+                      PRECISION=tk._precision(query.dtype), BLOCK_M=tile_rows((heads_q // heads_kv) * len_q),
+                      BLOCK_N=bn)
+    return args, constexprs
+
+
+def combine_args(part_o, part_lse, out, lse, heads_kv, splits):
+    batch, heads_q, len_q, dim_v = out.shape
+    args = (part_o, part_lse, out, lse, *out.stride(), *lse.stride(), heads_q, heads_kv, heads_q // heads_kv, len_q,
+            splits)
+    constexprs = dict(D_V=dim_v, BLOCK_DV=part_o.shape[-1], BLOCK_M=part_o.shape[-2],
+                      BLOCK_S=max(2, triton.next_power_of_2(splits)))
+    return args, constexprs
+
+
+def workspace(query, key, value, splits):
+    """The splits' fp32 outputs (B, H_kv, splits, BLOCK_M, BLOCK_DV) and log-sum-exps."""
+    batch, heads_q = query.shape[:2]
+    heads_kv = key.shape[1]
+    rows = tile_rows((heads_q // heads_kv) * query.shape[2])
+    options = dict(dtype=torch.float32, device=query.device)
+    return (torch.empty(batch, heads_kv, splits, rows, tk.padded_head_dim(value.shape[3]), **options),
+            torch.empty(batch, heads_kv, splits, rows, **options))
+
+
+def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, variant) -> torch.Tensor:
+    """Writes attention into `out`; returns the fp32 log-sum-exp (B, H_q, L_q)."""
+    batch, heads_q, len_q, _ = query.shape
+    heads_kv = key.shape[1]
+    splits = split_count(batch, heads_kv, key.shape[2], query.device)
+    part_o, part_lse = workspace(query, key, value, splits)
+    lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
+    args, constexprs = decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits,
+                                   part_o, part_lse)
+    with tk._on_device(query):
+        _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=DECODE_WARPS,
+                                                   num_stages=DECODE_STAGES)
+        args, constexprs = combine_args(part_o, part_lse, out, lse, heads_kv, splits)
+        _attn_decode_combine[(batch * heads_q * len_q,)](*args, **constexprs, num_warps=COMBINE_WARPS, num_stages=1)
+    return lse
+
