@@ -5,7 +5,8 @@ Element (b, h, i, j) of a call (batch b, query head h, query i, key j) is droppe
     philox4x32_10(counter, key)[j % 4] < threshold(p)
     counter = (j // 4, i, b * H_q + h, offset),   key = (seed mod 2^32, seed div 2^32)
 
-with Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011: the
+(in a packed batch, `attention_varlen`, sequence b is a one-sequence call: counter (j // 4, i, h,
+offset + b)), with Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011: the
 generator of cuRAND's philox, PyTorch's CUDA dropout and Triton's `tl.rand`), and kept elements are
 scaled by 1 / (1 - p). One block of Philox output serves four neighbouring keys. The decision is a
 pure function of (seed, offset, b, h, i, j): it depends on no tile size, thread count or launch

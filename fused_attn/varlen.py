@@ -9,7 +9,8 @@ How the backends see it (`Backend.forward_varlen`, for those that declare `takes
 and reference backends run their ordinary kernels on each sequence's strided `(1, H, L, D)` view of
 the packed tensors in turn, reading and writing the packed storage in place, the bounds read on the
 host (fused_attn.backends.packed); the triton kernels read each sequence's bounds themselves, one
-launch for the whole batch, with no host synchronisation.
+launch for the whole batch, with no host synchronisation when `max_seqlen_q/k` are given (their grid
+is made for them; otherwise they are read from the lengths).
 
 Dropout: the call draws one (seed, offset); sequence b drops the elements that a one-sequence call
 with (seed, offset + b) drops (fused_attn.dropout), so sequences never share a random stream.
@@ -51,7 +52,7 @@ def _check_packed(query, key, value) -> None:
 def _check_cu_seqlens(name: str, cu_seqlens, device) -> None:
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64) \
             or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"{name}: expected an int32 tensor (B + 1,) of cumulative sequence lengths, got "
+        raise ValueError(f"{name}: expected an int32 (or int64) tensor (B + 1,) of cumulative sequence lengths, got "
                          f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} of shape "
                          f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
     if cu_seqlens.device != device:
@@ -67,16 +68,17 @@ def _check_max_seqlen(name: str, max_seqlen) -> int:
     return int(max_seqlen)
 
 
-def _check_bounds(name: str, cu_seqlens: Tensor, total: int, max_seqlen: int) -> None:
+def _check_bounds(name: str, cu_seqlens: Tensor, total: int, max_seqlen: int, max_name: str) -> None:
     """The values of cu_seqlens: 0 first, non-decreasing, `total` last, no sequence over `max_seqlen`
-    (-1: unbounded). Raises at once for CPU tensors, asynchronously for GPU ones."""
+    (-1: unbounded). Raises at once for CPU tensors; for GPU tensors a device-side assertion, queued
+    before the kernels, stops the stream there (the error is reported at the next synchronisation)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == total) & (lengths >= 0).all()
     assert_on_device(ok, f"{name}: expected cumulative lengths starting at 0, non-decreasing, ending at the "
                          f"{total} packed tokens")
     if max_seqlen >= 0:
         assert_on_device((lengths <= max_seqlen).all(),
-                         f"max_seqlen of {name}: a sequence is longer than the {max_seqlen} given")
+                         f"{max_name}: a sequence of {name} is longer than the {max_seqlen} given")
 
 
 def _check_op_args(query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_rng,
@@ -85,8 +87,8 @@ def _check_op_args(query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_k: expected shape {tuple(cu_seqlens_q.shape)} (as cu_seqlens_q), got "
                          f"{tuple(cu_seqlens_k.shape)}")
-    _check_bounds("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_seqlen_q)
-    _check_bounds("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k)
+    _check_bounds("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_seqlen_q, "max_seqlen_q")
+    _check_bounds("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k, "max_seqlen_k")
     if dropout_p > 0.0:
         check_rng(dropout_rng, query.device)
     batch = cu_seqlens_q.shape[0] - 1
@@ -99,12 +101,17 @@ def _dropout(dropout_p: float, dropout_rng: Optional[Tensor]) -> Optional[Dropou
     return None if dropout_p == 0.0 else Dropout(dropout_p, dropout_rng)
 
 
+def _new_outputs(query, value) -> tuple[Tensor, Tensor]:
+    """The packed output (total_q, H_q, D_v) and log-sum-exp (H_q, total_q)."""
+    out = query.new_empty((query.shape[0], query.shape[1], value.shape[2]))
+    return out, query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype(query.dtype))
+
+
 def _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                     dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes):
     _check_op_args(query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_rng,
                    alibi_slopes)
-    out = query.new_empty((query.shape[0], query.shape[1], value.shape[2]))
-    lse = query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype(query.dtype))
+    out, lse = _new_outputs(query, value)
     registry.get(backend).forward_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
         _dropout(dropout_p, dropout_rng), from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes))
@@ -127,8 +134,7 @@ def varlen_fwd(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, 
 def _varlen_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                      dropout_p, dropout_rng, backend, window_left=-1, window_right=-1, bottom_right=False,
                      softcap=0.0, alibi_slopes=None):
-    out = query.new_empty((query.shape[0], query.shape[1], value.shape[2]))
-    return out, query.new_empty((query.shape[1], query.shape[0]), dtype=lse_dtype(query.dtype))
+    return _new_outputs(query, value)
 
 
 @torch.library.custom_op("fused_attn::varlen_bwd", mutates_args=())
@@ -184,7 +190,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         key: (total_k, H_kv, D_qk); value: (total_k, H_kv, D_v). H_q a multiple of H_kv (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: int32 (or int64) (B + 1,): sequence b is tokens
             cu_seqlens[b] .. cu_seqlens[b + 1]; 0 first and the total last. Empty sequences are
-            allowed (a sequence without keys gives 0, lse -inf).
+            allowed (a sequence without keys gives 0, lse -inf). Their values are checked on the
+            device (on a GPU, asynchronously: a device-side assertion ahead of the kernels).
         max_seqlen_q, max_seqlen_k: the longest sequence, or None. Given, they are checked on the
             device (asynchronously on a GPU), and the triton kernels' grid is made for them; omitted,
             the triton backend reads them from the lengths (a host synchronisation on a GPU).
@@ -192,7 +199,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             `fused_attn.attention`, positions counted within each sequence ("bottom_right" aligns
             each sequence's last query with its last key).
         alibi_slopes: float32 (H_q,) or (B, H_q), a row per sequence.
-        return_lse: also return the log-sum-exp, (H_q, total_q) float32 (as flash-attn).
+        return_lse: also return the log-sum-exp, (H_q, total_q) (as flash-attn), float32 (float64
+            for float64 inputs).
         backend: a name from `available_backends()`; default automatic.
 
     Returns:
@@ -203,6 +211,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     _check_generator(generator, query)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, query.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, query.device)
+    # The kernels read the bounds with a unit stride.
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     max_q, max_k = _check_max_seqlen("max_seqlen_q", max_seqlen_q), _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected None or a backend name, got {type(backend).__name__}")

@@ -203,13 +203,26 @@ def test_decode_kernels_match_reference(name, dtype, splits, generator, monkeypa
     if splits is not None:
         monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", splits)
     inputs = make_inputs(DECODE_CASES[name], dtype, 3, generator)
-    assert triton_decode.takes(inputs.query, inputs.key, None)
+    assert triton_decode.takes(inputs.query, inputs.key, inputs.value, None)
     launched = []
     original = triton_decode.split_count
     monkeypatch.setattr(triton_decode, "split_count", lambda *a: launched.append(original(*a)) or launched[-1])
     results = run_backend(inputs)
     assert launched and (splits is None or launched == [3])
     testing.check_inputs(results, inputs)
+
+
+def test_decode_split_count_override_is_checked(monkeypatch):
+    from fused_attn.backends import triton_decode
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "5")
+    assert triton_decode.split_count(1, 1, 4096, cpu) == 5
+    assert triton_decode.split_count(1, 1, 3, cpu) == 3  # at most one split per key
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", bad)
+        with pytest.raises(ValueError, match="FUSED_ATTN_TRITON_DECODE_SPLITS"):
+            triton_decode.split_count(1, 1, 4096, cpu)
 
 
 def test_decode_split_count_follows_the_problem():
@@ -220,8 +233,12 @@ def test_decode_split_count_follows_the_problem():
     assert triton_decode.split_count(1, 1, 4096, cpu) == 8  # 1 program -> 2 * sms, keys allow it
     assert triton_decode.split_count(1, 1, 300, cpu) == 1   # too few keys to split
     assert triton_decode.split_count(2 * sms, 1, 8192, cpu) == 1  # enough programs already
-    assert not triton_decode.takes(torch.empty(1, 8, 17, 16), torch.empty(1, 8, 40, 16), None)
-    assert not triton_decode.takes(torch.empty(1, 32, 4, 16), torch.empty(1, 1, 40, 16), None)  # 128 rows
+    small = torch.empty(1, 8, 40, 16)
+    assert triton_decode.takes(torch.empty(1, 8, 16, 16), small, small, None)
+    assert not triton_decode.takes(torch.empty(1, 8, 17, 16), small, small, None)
+    assert not triton_decode.takes(torch.empty(1, 32, 4, 16), small[:, :1], small[:, :1], None)  # 128 rows
+    assert not triton_decode.takes(torch.empty(1, 8, 1, 256), torch.empty(1, 8, 40, 256), small, None)
+    assert not triton_decode.takes(torch.empty(1, 8, 1, 16), small, small, object())  # dropout
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -20,11 +20,17 @@ from fused_attn.varlen import varlen_fwd
 
 
 def triton_on_this_machine(request) -> None:
-    """Skips unless the triton kernels run here (a GPU, or the interpreter on CPU tensors, with its
-    bf16 remedy)."""
-    if registry.get("triton").unavailable() is not None or torch.cuda.is_available():
-        pytest.skip("the triton kernels need a CUDA device or TRITON_INTERPRET=1 (tests run on CPU tensors)")
-    request.getfixturevalue("interpreter_remedies")
+    """Skips unless the triton kernels run here: on a GPU, or in the interpreter on CPU tensors (with
+    its bf16 remedy)."""
+    if registry.get("triton").unavailable() is not None:
+        pytest.skip("the triton kernels need a CUDA device or TRITON_INTERPRET=1")
+    if not torch.cuda.is_available():
+        request.getfixturevalue("interpreter_remedies")
+
+
+def device_of(backend: str) -> str:
+    """Where a backend's inputs live in these tests: triton's on the GPU when there is one."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,16 +161,24 @@ def reference_of(inputs: Packed, dtype) -> testing.Results:
                            unpad(results.grad_value, columns))
 
 
-def run_varlen(inputs: Packed, backend: str) -> testing.Results:
-    case = inputs.case
-    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
-    out, lse = fused_attn.attention_varlen(q, k, v, cumulative(case.lengths_q), cumulative(case.keys),
-                                           max(case.lengths_q), max(case.keys), return_lse=True, backend=backend,
-                                           **inputs.keywords())
-    outputs, grads_in = [out], [inputs.grad_out]
+def run_varlen(inputs: Packed, backend: str, strided_bounds: bool = False) -> testing.Results:
+    """The call with autograd, on the backend's device; `strided_bounds` gives cu_seqlens as every
+    other element of a longer tensor."""
+    case, device = inputs.case, device_of(backend)
+    q, k, v = (t.detach().to(device).requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    bounds = []
+    for lengths in (case.lengths_q, case.keys):
+        cu = cumulative(lengths).to(device)
+        bounds.append(torch.stack([cu, torch.full_like(cu, -7)], 1).flatten()[::2] if strided_bounds else cu)
+    keywords = inputs.keywords()
+    if keywords["alibi_slopes"] is not None:
+        keywords["alibi_slopes"] = keywords["alibi_slopes"].to(device)
+    out, lse = fused_attn.attention_varlen(q, k, v, *bounds, max(case.lengths_q), max(case.keys), return_lse=True,
+                                           backend=backend, **keywords)
+    outputs, grads_in = [out], [inputs.grad_out.to(device)]
     if inputs.grad_lse is not None:
         outputs.append(lse)
-        grads_in.append(inputs.grad_lse)
+        grads_in.append(inputs.grad_lse.to(device))
     return testing.Results(out.detach(), lse.detach(), *torch.autograd.grad(outputs, (q, k, v), grads_in))
 
 
@@ -203,11 +217,15 @@ def test_dropout_is_each_sequence_with_its_own_offset(generator, backend, dtype,
                       window=(9, 0), softcap=3.0, alibi=True)
     inputs = random_packed(case, dtype, 1, generator)
     seed = 1234
-    rng = peek_rng(torch.device("cpu"), torch.Generator().manual_seed(seed))
-    q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
-    out = fused_attn.attention_varlen(q, k, v, cumulative(case.lengths_q), cumulative(case.keys), dropout_p=0.3,
-                                      backend=backend, generator=torch.Generator().manual_seed(seed), **inputs.keywords())
-    grads = torch.autograd.grad(out, (q, k, v), inputs.grad_out)
+    device = device_of(backend)
+    rng = peek_rng(torch.device(device), torch.Generator(device).manual_seed(seed)).cpu()
+    q, k, v = (t.detach().to(device).requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    keywords = dict(inputs.keywords(), alibi_slopes=inputs.alibi_slopes.to(device))
+    out = fused_attn.attention_varlen(q, k, v, cumulative(case.lengths_q).to(device), cumulative(case.keys).to(device),
+                                      dropout_p=0.3, backend=backend, generator=torch.Generator(device).manual_seed(seed),
+                                      **keywords)
+    grads = [g.cpu() for g in torch.autograd.grad(out, (q, k, v), inputs.grad_out.to(device))]
+    out = out.detach().cpu()
     starts_q, starts_k = cumulative(case.lengths_q).tolist(), cumulative(case.keys).tolist()
     for b in range(len(case.lengths_q)):
         q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
@@ -241,6 +259,17 @@ def test_triton_small_tiles_cross_sequences_in_every_kernel(generator, name, dty
         actual = run_varlen(inputs, "triton")
     testing.assert_close_to_reference(actual, reference_of(inputs, torch.float64), reference_of(inputs, dtype),
                                       dtype)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_strided_bounds_are_read_through_their_strides(generator, backend, request):
+    if backend == "triton":
+        triton_on_this_machine(request)
+    inputs = random_packed(CASES["cross_bottom_right"], torch.float32, 1, generator)
+    expected = run_varlen(inputs, backend)
+    actual = run_varlen(inputs, backend, strided_bounds=True)
+    for name, value in actual.named().items():
+        torch.testing.assert_close(value, getattr(expected, name), rtol=0, atol=0)
 
 
 def test_compiles_without_graph_breaks_and_matches_eager(generator):
@@ -299,7 +328,7 @@ def test_bad_arguments_are_named(generator):
         (dict(cu_seqlens_q=torch.tensor([0, 6, 4, 10], dtype=torch.int32)[[0, 1, 3]] - 1), "cu_seqlens_q: expected cumulative"),
         (dict(cu_seqlens_q=torch.tensor([0, 7, 5], dtype=torch.int32)), "cu_seqlens_q: expected cumulative"),
         (dict(cu_seqlens_k=cumulative((5, 6))), "cu_seqlens_k: expected cumulative"),
-        (dict(max_seqlen_q=5), "max_seqlen of cu_seqlens_q"),
+        (dict(max_seqlen_q=5), "max_seqlen_q: a sequence of cu_seqlens_q"),
         (dict(max_seqlen_k=-2), "max_seqlen_k: expected None or an int"),
         (dict(alibi_slopes=torch.rand(3, 2)), "alibi_slopes: expected shape"),
         (dict(dropout_p=1.0), "dropout_p"),

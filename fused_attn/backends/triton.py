@@ -83,7 +83,7 @@ class TritonBackend(Backend):
         kernels = _kernels()
         from . import triton_decode  # after the kernels it builds on
 
-        if triton_decode.takes(query, key, dropout):
+        if triton_decode.takes(query, key, value, dropout):
             return triton_decode.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
                                          variant)
         return kernels.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,

@@ -146,11 +146,15 @@ def enabled() -> bool:
     return os.environ.get("FUSED_ATTN_TRITON_DECODE", "1") != "0"
 
 
-def takes(query, key, dropout) -> bool:
-    """Whether a forward call runs the decode kernels: few query rows per key/value head, no dropout."""
+MAX_HEAD_DIM = 128  # the fixed config's tiles, checked by the static report up to here
+
+
+def takes(query, key, value, dropout) -> bool:
+    """Whether a forward call runs the decode kernels: few query rows per key/value head, head dims up
+    to MAX_HEAD_DIM, no dropout."""
     len_q, group = query.shape[2], query.shape[1] // key.shape[1]
     return enabled() and dropout is None and 0 < len_q <= MAX_QUERIES and group * len_q <= MAX_ROWS \
-        and key.shape[2] > 0
+        and key.shape[2] > 0 and max(query.shape[3], value.shape[3]) <= MAX_HEAD_DIM
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,11 +168,17 @@ INTERPRETER_SMS = 4
 
 def split_count(batch: int, heads_kv: int, len_k: int, device: torch.device) -> int:
     """Splits of the keys: doubled while programs are fewer than twice the SMs and each split keeps
-    at least MIN_KEYS_PER_SPLIT keys (FUSED_ATTN_TRITON_DECODE_SPLITS overrides)."""
+    at least MIN_KEYS_PER_SPLIT keys (FUSED_ATTN_TRITON_DECODE_SPLITS overrides, up to one split per
+    key)."""
     forced = os.environ.get("FUSED_ATTN_TRITON_DECODE_SPLITS")
     if forced:
-        return max(1, int(forced))
-    sms = _sm_count(tk._device_index(torch.empty(0, device=device))) if device.type == "cuda" else INTERPRETER_SMS
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"FUSED_ATTN_TRITON_DECODE_SPLITS: expected a positive integer, got {forced!r}")
+        return min(int(forced), max(1, len_k))
+    if device.type != "cuda":
+        sms = INTERPRETER_SMS
+    else:
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     splits = 1
     while batch * heads_kv * splits < 2 * sms and len_k // (2 * splits) >= MIN_KEYS_PER_SPLIT:
         splits *= 2

@@ -1065,12 +1065,16 @@ def longest(cu_seqlens: torch.Tensor, given: int) -> int:
     return int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
 
 
+def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Sequences:
+    return Sequences(cu_seqlens_q, cu_seqlens_k, longest(cu_seqlens_q, max_seqlen_q),
+                     longest(cu_seqlens_k, max_seqlen_k))
+
+
 def forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                    out, lse, dropout=None, variant=PLAIN):
     """A packed batch in one launch: writes `out` (total_q, H_q, D_v) and `lse` (H_q, total_q)."""
     batch = cu_seqlens_q.shape[0] - 1
-    sequences = Sequences(cu_seqlens_q, cu_seqlens_k, longest(cu_seqlens_q, max_seqlen_q),
-                          longest(cu_seqlens_k, max_seqlen_k))
+    sequences = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if batch == 0 or sequences.max_seqlen_q == 0:
         return
     q, k, v, o = (batched(t, batch) for t in (query, key, value, out))
@@ -1082,8 +1086,7 @@ def backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
     """The packed gradients (dq, dk, dv) in one launch per kernel; `grad_lse` None or (H_q, total_q)."""
     batch = cu_seqlens_q.shape[0] - 1
-    sequences = Sequences(cu_seqlens_q, cu_seqlens_k, longest(cu_seqlens_q, max_seqlen_q),
-                          longest(cu_seqlens_k, max_seqlen_k))
+    sequences = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # Every token is written by the program of its sequence (a sequence without queries gets dK = dV = 0
     # from empty loops, one without keys dQ = 0), provided the grid covers each: hence the bounds.
     grads = tuple(new_gradient(t) for t in (query, key, value))
