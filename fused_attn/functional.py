@@ -210,10 +210,21 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             for float64 inputs).
         backend: a name from `available_backends()`; default automatic.
 
+    Nested tensors: jagged `torch.nested` query, key and value of shape (B, H, j, D) (as
+    `scaled_dot_product_attention` takes them) run as `attention_varlen` on their packed values,
+    without padding; masks are not taken then, and the log-sum-exp comes packed, (H_q, total_q).
+
     Returns:
         (B, H_q, L_q, D_v) in query's dtype, or (output, lse) when `return_lse`. A row that sees
         no key gives 0 and lse -inf.
     """
+    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+        from .varlen import nested_attention  # it builds on this module
+
+        return nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                key_padding_mask=key_padding_mask, return_lse=return_lse, backend=backend,
+                                generator=generator, causal_alignment=causal_alignment, window_size=window_size,
+                                softcap=softcap, alibi_slopes=alibi_slopes)
     out, lse = _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        key_padding_mask, backend, seq_first=False, generator=generator,
                        causal_alignment=causal_alignment, window_size=window_size, softcap=softcap,

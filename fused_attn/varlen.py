@@ -234,3 +234,32 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out, lse = fused(*args)
     return (out, lse) if return_lse else out
 
+
+
+def _packed_of(name: str, tensor) -> Tensor:
+    """A jagged nested (B, H, j, D) tensor's values, (total, H, D), a view."""
+    if not (isinstance(tensor, Tensor) and tensor.is_nested and tensor.layout == torch.jagged
+            and tensor.dim() == 4 and getattr(tensor, "_ragged_idx", None) == 2):
+        raise ValueError(f"{name}: expected a jagged nested tensor (B, H, j, D), ragged along the sequence "
+                         f"(as scaled_dot_product_attention takes them), like query")
+    return tensor.transpose(1, 2).values()
+
+
+def nested_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                     *, key_padding_mask=None, return_lse=False, backend=None, generator=None,
+                     causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None):
+    """`fused_attn.attention` on jagged nested tensors: `attention_varlen` on their packed values."""
+    packed = [_packed_of(name, t) for name, t in (("query", query), ("key", key), ("value", value))]
+    for name, given in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if given is not None:
+            raise ValueError(f"{name}: not taken with nested tensors (their sequences are already exact)")
+    if packed[1].shape[1] != packed[0].shape[1] and not enable_gqa:
+        raise ValueError(f"key: expected {packed[0].shape[1]} heads (as query), got {packed[1].shape[1]}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    out, lse = attention_varlen(*packed, query.offsets(), key.offsets(), None, None, dropout_p, is_causal, scale,
+                                return_lse=True, backend=backend, generator=generator,
+                                causal_alignment=causal_alignment, window_size=window_size, softcap=softcap,
+                                alibi_slopes=alibi_slopes)
+    # The query's own offsets: the output has its ragged size (adds to the query's residual stream).
+    nested = torch.nested.nested_tensor_from_jagged(out, query.offsets()).transpose(1, 2)
+    return (nested, lse) if return_lse else nested

@@ -335,3 +335,48 @@ def test_bad_arguments_are_named(generator):
     ]:
         with pytest.raises((ValueError, TypeError), match=message):
             call(**changes)
+
+
+def jagged(pieces, requires_grad=True):
+    """A jagged nested (B, H, j, D) tensor from (L_b, H, D) pieces, as SDPA's users build them."""
+    nested = torch.nested.nested_tensor([p.detach() for p in pieces], layout=torch.jagged,
+                                        requires_grad=requires_grad)
+    return nested.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nested_tensors_match_pytorchs_own_nested_sdpa(generator, dtype):
+    """attention() on jagged nested tensors against PyTorch's own nested SDPA (no causal mask and no
+    empty sequence: what it runs on the CPU), gradients included, and against attention_varlen."""
+    pieces = [[torch.randn(n, 4, 16, generator=generator).to(dtype) for n in (7, 30, 1)] for _ in range(3)]
+    q, k, v = (jagged(p) for p in pieces)
+    out = fused_attn.attention(q, k, v, backend="cpu")
+    assert out.is_nested and out.shape[1] == 4
+    qr, kr, vr = (jagged(p) for p in pieces)
+    expected = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.transpose(1, 2).values(), expected.transpose(1, 2).values(), **tolerance)
+    grad = torch.randn(out.transpose(1, 2).values().shape, generator=generator).to(dtype)
+    for ours, theirs in zip(torch.autograd.grad(out.transpose(1, 2).values(), (q, k, v), grad),
+                            torch.autograd.grad(expected.transpose(1, 2).values(), (qr, kr, vr), grad)):
+        torch.testing.assert_close(ours.transpose(1, 2).values(), theirs.transpose(1, 2).values(), **tolerance)
+
+
+def test_nested_tensors_take_what_pytorchs_nested_sdpa_refuses(generator):
+    """Causal attention, an empty sequence, GQA: the same as attention_varlen on the packed values."""
+    lengths = (9, 0, 20)
+    q = jagged([torch.randn(n, 4, 16, generator=generator) for n in lengths])
+    k = jagged([torch.randn(n, 2, 16, generator=generator) for n in lengths])
+    v = jagged([torch.randn(n, 2, 8, generator=generator) for n in lengths])
+    out, lse = fused_attn.attention(q, k, v, is_causal=True, enable_gqa=True, window_size=(4, 0), return_lse=True)
+    packed = [t.transpose(1, 2).values() for t in (q, k, v)]
+    expected, expected_lse = fused_attn.attention_varlen(*packed, cumulative(lengths), cumulative(lengths),
+                                                         is_causal=True, window_size=(4, 0), return_lse=True)
+    torch.testing.assert_close(out.transpose(1, 2).values(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="key: expected 4 heads"):
+        fused_attn.attention(q, k, v)
+    with pytest.raises(ValueError, match="attn_mask: not taken with nested tensors"):
+        fused_attn.attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key: expected a jagged nested tensor"):
+        fused_attn.attention(q, torch.randn(3, 4, 20, 16), q)
