@@ -253,15 +253,31 @@ def split_heads_attention(query, key, value, num_heads, attn_mask=None, dropout_
 
     Args:
         query: (B, L_q, E_q), or (L_q, B, E_q) when not `batch_first`; E_q = num_heads · D_qk.
+            Unbatched, as nn.MultiheadAttention takes them: (L_q, E_q), with key and value 2-D too.
         key: (B, L_k, E_k) with E_k = num_kv_heads · D_qk; likewise (L_k, B, E_k).
         value: (B, L_k, E_v) with E_v = num_kv_heads · D_v; likewise (L_k, B, E_v).
         num_heads: H_q. num_kv_heads: H_kv, default H_q (a divisor of H_q for GQA).
-        The other arguments are those of `attention`, masks in (B, H_q, L_q, L_k) terms.
+        The other arguments are those of `attention`, masks in (B, H_q, L_q, L_k) terms (unbatched:
+        (H_q, L_q, L_k) or (L_q, L_k), and a key_padding_mask of (L_k,)).
 
     Returns:
-        (B, L_q, H_q · D_v), or (L_q, B, H_q · D_v) when not `batch_first`; with the log-sum-exp
-        (B, H_q, L_q) when `return_lse`.
+        (B, L_q, H_q · D_v), or (L_q, B, H_q · D_v) when not `batch_first` (unbatched: (L_q, H_q · D_v));
+        with the log-sum-exp (B, H_q, L_q) (unbatched: (H_q, L_q)) when `return_lse`.
     """
+    if isinstance(query, torch.Tensor) and query.dim() == 2:
+        for name, tensor in (("key", key), ("value", value)):
+            _check_tensor(name, tensor, 2, "(L, E), unbatched as query")
+        batch_dim = 0 if batch_first else 1
+        if isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dim() == 1:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+        result = split_heads_attention(
+            query.unsqueeze(batch_dim), key.unsqueeze(batch_dim), value.unsqueeze(batch_dim), num_heads, attn_mask,
+            dropout_p, is_causal, scale, num_kv_heads=num_kv_heads, key_padding_mask=key_padding_mask,
+            batch_first=batch_first, return_lse=return_lse, backend=backend, generator=generator,
+            causal_alignment=causal_alignment, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        if return_lse:
+            return result[0].squeeze(batch_dim), result[1][0]
+        return result.squeeze(batch_dim)
     if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
         raise ValueError(f"num_heads: expected a positive int, got {num_heads!r}")
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads

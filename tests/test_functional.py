@@ -280,3 +280,27 @@ def test_no_keys_give_zero_rows_on_every_cpu_backend(generator, backend):
     assert torch.equal(out, torch.zeros(2, 3, 4, 8)) and bool((lse == float("-inf")).all())
     (grad,) = torch.autograd.grad(out.sum(), q)
     assert torch.equal(grad, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_split_heads_takes_unbatched_inputs_as_multihead_attention_does(generator, batch_first):
+    """(L, E) inputs, masks of (H, L_q, L_k) and key padding of (L_k,): the batch of one, squeezed."""
+    heads, dim = 4, 8
+    x = torch.randn(11, heads * dim, generator=generator, requires_grad=True)
+    memory = torch.randn(13, 2 * dim, generator=generator)
+    mask = torch.randn(heads, 11, 13, generator=generator)
+    padding = torch.zeros(13, dtype=torch.bool)
+    padding[-3:] = True
+    options = dict(num_kv_heads=2, batch_first=batch_first, return_lse=True, backend="cpu", softcap=5.0)
+    out, lse = fused_attn.split_heads_attention(x, memory, memory, heads, mask, key_padding_mask=padding, **options)
+    batch_dim = 0 if batch_first else 1
+    expected, expected_lse = fused_attn.split_heads_attention(
+        x.unsqueeze(batch_dim), memory.unsqueeze(batch_dim), memory.unsqueeze(batch_dim), heads, mask,
+        key_padding_mask=padding[None], **options)
+    assert out.shape == (11, heads * dim) and lse.shape == (heads, 11)
+    torch.testing.assert_close(out, expected.squeeze(batch_dim), rtol=0, atol=0)
+    torch.testing.assert_close(lse, expected_lse[0], rtol=0, atol=0)
+    grad, = torch.autograd.grad(out.sum(), x)
+    assert grad.shape == x.shape and torch.isfinite(grad).all()
+    with pytest.raises(ValueError, match="key: expected a 2-D tensor"):
+        fused_attn.split_heads_attention(x, memory[None], memory, heads)
