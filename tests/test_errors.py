@@ -100,8 +100,12 @@ SPLIT_ERRORS = [
      "num_kv_heads: expected a positive int"),
     ("rank 4 input", dict(query=torch.randn(B, L, 2, 4), key=torch.randn(B, L, 8), value=torch.randn(B, L, 8),
                           num_heads=2), ValueError, "query: expected a 3-D tensor (B, L, E)"),
-    ("seq-first rank", dict(query=torch.randn(L, 8), key=torch.randn(L, B, 8), value=torch.randn(L, B, 8),
+    ("seq-first rank", dict(query=torch.randn(L, B, 2, 4), key=torch.randn(L, B, 8), value=torch.randn(L, B, 8),
                             num_heads=2, batch_first=False), ValueError, "query: expected a 3-D tensor (L, B, E)"),
+    # A 2-D query is unbatched (L, E), as nn.MultiheadAttention takes it: key and value must be too.
+    ("unbatched query, batched key", dict(query=torch.randn(L, 8), key=torch.randn(L, B, 8),
+                                          value=torch.randn(L, B, 8), num_heads=2, batch_first=False), ValueError,
+     "key: expected a 2-D tensor (L, E), unbatched as query"),
 ]
 
 
