@@ -54,8 +54,11 @@ FIXED_CONFIG = "BLOCK_M={block_m},{block_n}warps={warps},stages={stages}"
 # (causal, dropout, bias_grad, scores) variants of the kernels with products; the preprocess depends on
 # none but the packing. bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel
 # only; scores True is every score variant at once (window, bottom-right alignment, softcap, ALiBi) and
-# key padding, "packed" every score variant over a packed batch of sequences (fused_attn.varlen).
+# key padding, "packed" every score variant over a packed batch of sequences (fused_attn.varlen), "paged"
+# every score variant and key padding over a paged key/value cache (fused_attn.kvcache, the forward only).
 PACKED = "packed"
+PAGED = "paged"
+PAGE_SIZE = 16  # vLLM's block size: keys of one tile come from several blocks
 VARIANTS = ((False, False, False, False), (True, False, False, False), (True, True, False, False),
             (True, False, False, True), (True, True, False, PACKED))
 
@@ -64,9 +67,11 @@ def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     if kernel == "bwd_dkdv":
         return (*VARIANTS, (True, True, True, False), (True, True, True, True))
     if kernel == "decode":  # no dropout (calls with dropout take the long-query kernels), no packing
-        return ((False, False, False, False), (True, False, False, True))
+        return ((False, False, False, False), (True, False, False, True), (True, False, False, PAGED))
     if kernel == "decode_combine":
         return ((False, False, False, False),)
+    if kernel == "fwd":
+        return (*VARIANTS, (True, False, False, PAGED))
     return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False, False), (False, False, False, PACKED))
 
 
@@ -170,20 +175,26 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     # key padding and its per-row span of keys.
     variant = (ScoreVariant(bottom_right=True, window_left=128, window_right=0, softcap=30.0,
                             alibi_slopes=torch.empty(batch, heads)) if scores else PLAIN)
-    padding = torch.zeros(batch, length, dtype=torch.bool) if scores is True else None
+    padding = torch.zeros(batch, length, dtype=torch.bool) if scores in (True, PAGED) else None
+    pages = None
+    if scores == PAGED:  # the cache's blocks in a table, as (num_blocks, H, block_size, D) views
+        blocks = batch * length // PAGE_SIZE
+        k, v = (tk.block_major(torch.empty(blocks, PAGE_SIZE, heads, head_dim, dtype=dtype)) for _ in range(2))
+        pages = tk.Pages(torch.empty(batch, length // PAGE_SIZE, dtype=torch.int32), PAGE_SIZE)
     if kernel in triton_decode.KERNELS:  # one query row per head against the keys, in 4 splits
         q1 = q[:, :, :1]
         part_o, part_lse = triton_decode.workspace(q1, k, v, 4)
         if kernel == "decode":
             args, constexprs = triton_decode.decode_args(q1, k, v, None, padding, causal, scale, variant, 4,
-                                                         part_o, part_lse)
+                                                         part_o, part_lse, pages)
             fixed = _fixed(constexprs, triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES)
         else:
             args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4)
             fixed = _fixed(constexprs, triton_decode.COMBINE_WARPS, 1, block_n=False)
         return triton_decode.KERNELS[kernel], args, constexprs, fixed, dtype
     if kernel == "fwd":
-        args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant, sequences)
+        args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant, sequences,
+                                           pages)
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta, sequences)
         return tk.KERNELS[kernel], args, constexprs, _fixed(constexprs, tk.PREPROCESS_WARPS, 1, block_n=False), dtype

@@ -36,4 +36,12 @@ TORCH_LIBRARY(fused_attn, m) {
       "Tensor grad_out, Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, "
       "Tensor(b!)? grad_mask=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
       "float softcap=0., Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
+  // The forward over a paged key/value cache (CPU): key and value are blocks (num_blocks, block_size,
+  // H_kv, D), any strides, and key j of sequence b lies in block block_table[b, j / block_size] (int32
+  // (B, max_blocks)), at row j % block_size; the call's L_k is max_blocks * block_size, and blocks past
+  // each sequence's key padding are never read. No dropout, no backward (inference).
+  m.def(
+      "paged_forward(Tensor query, Tensor k_blocks, Tensor v_blocks, Tensor block_table, Tensor? attn_mask, "
+      "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, int window_left=-1, "
+      "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
 }

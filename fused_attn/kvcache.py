@@ -4,6 +4,9 @@ Each sequence b of the batch holds `cache_seqlens[b]` keys before the call; the 
 new keys and values after them, in place, and its queries (the last `L_q` positions of the sequence)
 attend over the sequence's keys. Everything runs on the device, with no host synchronisation.
 
+A paged cache is read in place by the kernels that take a block table (`Backend.forward_paged`: cpu,
+triton); the others run on its sequences' blocks gathered into a dense copy.
+
 How the sequences' own lengths reach the kernels: the keys past a sequence's end are key padding,
 which the fused kernels never visit (fused_attn.backends: key padding as a range of keys). Query i
 of sequence b sits at position `length_b - L_q + i`; with one query and no window that position sees
@@ -11,14 +14,18 @@ every key of the sequence and nothing more is needed. With several queries under
 window, the visible keys are given as a bool mask (B, 1, L_q, L_max) built from the lengths. ALiBi
 runs in the kernels aligned to the end of the cache buffer: for keys at or before the query, as
 under `is_causal` or with one query, that shifts every score of a row by the same amount, which the
-softmax ignores and the returned log-sum-exp gets back.
+softmax ignores and the returned log-sum-exp gets back. The shift, slope · (L_max - length), is
+rounded with the scores: in a buffer of thousands of keys, ALiBi's results are less precise than a call
+on the sequence alone (an fp32 output error of ~1e-4 at L_max = 1536 with slope 1).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .functional import attention
+from .backends import registry
+from .functional import _check_options, attention
+from .problem import Problem, output_like
 from .scores import variant_of
 
 
@@ -69,6 +76,32 @@ def _append(cache: torch.Tensor, new: torch.Tensor, positions, block_table, bloc
         cache.permute(0, 2, 1, 3)[rows, offsets] = tokens  # the (B, L_max, H_kv, D) view of the buffer
     else:
         cache[rows, offsets] = tokens
+
+
+def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scale, softcap, alibi_slopes, backend):
+    """`attention` over the paged cache's sequences, by the chosen backend's `forward_paged`: the kernels
+    read the blocks in place where they take a block table (fused_attn.backends.base)."""
+    batch, heads_q, len_q, dim = query.shape
+    _, block_size, heads_kv, dim_k = k_blocks.shape
+    if dim_k != dim:
+        raise ValueError(f"k_cache: expected head dim {dim} (as query), got {dim_k}")
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"k_cache: expected a number of heads dividing the query's {heads_q}, got {heads_kv}")
+    _check_options(0.0, scale, False)
+    len_k = block_table.shape[1] * block_size
+    variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes)
+    problem = Problem(device=query.device, dtype=query.dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
+                      len_q=len_q, len_k=len_k, head_dim_qk=dim, head_dim_v=v_blocks.shape[3], is_causal=False,
+                      dropout_p=0.0, mask_dtype=None if mask is None else mask.dtype, mask_requires_grad=False,
+                      has_key_padding_mask=True, score_features=variant.features(False))
+    chosen = registry.choose(problem, backend)
+    if mask is not None:
+        mask = mask.expand(batch, heads_q, len_q, len_k)
+    out = output_like(query, v_blocks.shape[3], seq_first=False)
+    scale = dim ** -0.5 if scale is None else float(scale)
+    lse = chosen.forward_paged(query, k_blocks, v_blocks, block_table.contiguous(), mask, padding, False, scale, out,
+                               variant)
+    return out, lse
 
 
 def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cache_seqlens, block_table=None,
@@ -132,17 +165,16 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         assert_on_device(((cache_seqlens >= 0) & (lengths <= capacity)).all(),
                           f"cache_seqlens: every length after the append must lie in [0, {capacity}] (the "
                           f"cache's capacity)")
+        if paged:  # the blocks holding each sequence's keys must be blocks of the cache; others are never read
+            used = torch.arange(block_table.shape[1], device=query.device)[None, :] * block_size < lengths[:, None]
+            assert_on_device(((block_table >= 0) & (block_table < k_cache.shape[0]) | ~used).all(),
+                             f"block_table: every block holding a sequence's keys must lie in [0, {k_cache.shape[0]})")
         if key is not None:
             positions = cache_seqlens.long()[:, None] + torch.arange(len_new, device=query.device)
             _append(k_cache, key, positions, block_table, block_size)
             _append(v_cache, value, positions, block_table, block_size)
 
-        if paged:  # each sequence's blocks, gathered in order: (B, H_kv, max_blocks · block_size, D)
-            keys = k_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
-            values = v_cache[block_table.long()].flatten(1, 2).transpose(1, 2)
-        else:
-            keys, values = k_cache, v_cache
-        len_k = keys.shape[2]
+        len_k = capacity
         key_index = torch.arange(len_k, device=query.device)
         padding = key_index[None, :] >= lengths[:, None]
         variant = variant_of(query, "bottom_right", window_size, softcap, alibi_slopes)
@@ -164,9 +196,14 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             raise ValueError("alibi_slopes: with is_causal=False and more than one query, some keys lie after "
                              "a query, where ALiBi aligned to the cache's end is not a shift of the scores; "
                              "pass is_causal=True or one query at a time")
-        out, lse = attention(query, keys, values, mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1],
-                             key_padding_mask=padding, return_lse=True, backend=backend,
-                             causal_alignment="bottom_right", softcap=softcap, alibi_slopes=alibi_slopes)
+        if paged:
+            out, lse = _paged_attention(query, k_cache, v_cache, block_table, mask, padding, scale, softcap,
+                                        alibi_slopes, backend)
+        else:
+            out, lse = attention(query, k_cache, v_cache, mask, scale=scale,
+                                 enable_gqa=query.shape[1] != k_cache.shape[1], key_padding_mask=padding,
+                                 return_lse=True, backend=backend, causal_alignment="bottom_right", softcap=softcap,
+                                 alibi_slopes=alibi_slopes)
         if alibi_slopes is not None:
             # The kernels measured ALiBi's distances from the buffer's end, len_k - 1, where the
             # sequence ends at lengths[b] - 1: every visible score of the row was lower by

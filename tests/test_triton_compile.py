@@ -7,7 +7,7 @@ bench/triton_report.py), and its cubin is read back
 with cuobjdump: it compiles, nothing spills (no local loads/stores in the SASS, no stack), the matrix
 products run on tensor cores (HMMA on sm_80, HGMMA on sm_90), and shared memory fits the device
 (163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows of `python -m bench.inspect --json`,
-run once per test session (the `static_gpu_report` fixture of conftest.py; 176 Triton compilations,
+run once per test session (the `static_gpu_report` fixture of conftest.py; 192 Triton compilations,
 beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 

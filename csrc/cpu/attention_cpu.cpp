@@ -256,20 +256,63 @@ void run(const Params& p, bool backward) {
   backward ? DEFAULT::backward(p) : DEFAULT::forward(p);
 }
 
-at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                         const std::optional<at::Tensor>& attn_mask,
-                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
-                         double scale, const at::Tensor& out, double dropout_p,
-                         const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
-                         bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
-  const char* op = "flash_forward";
+// The blocks and block table of a paged cache (paged_forward); undefined tensors for a dense one.
+struct PagedCache {
+  at::Tensor k_blocks, v_blocks, block_table;
+};
+
+// Reads key and value through the cache's block table when `paged` has one.
+void describe_pages(Params& p, const PagedCache& paged) {
+  if (!paged.block_table.defined()) return;
+  const auto blocks_view = [](const at::Tensor& blocks) {  // (num_blocks, H_kv, block_size, D)
+    View v;
+    v.data = blocks.data_ptr();
+    v.s[0] = blocks.stride(0);
+    v.s[1] = blocks.stride(2);
+    v.s[2] = blocks.stride(1);
+    v.s[3] = blocks.stride(3);
+    return v;
+  };
+  p.key = blocks_view(paged.k_blocks);
+  p.value = blocks_view(paged.v_blocks);
+  p.pages = paged.block_table.data_ptr<int32_t>();
+  p.pages_stride = paged.block_table.stride(0);
+  p.page_size = paged.k_blocks.size(1);
+}
+
+// The blocks each batch row visits, [0, ⌈end of its key span / block_size⌉), must index the cache.
+void check_pages(const char* op, const Params& p, const at::Tensor& block_table, int64_t num_blocks) {
+  if (p.pages == nullptr) return;
+  TORCH_CHECK(block_table.size(1) == 0 || block_table.stride(1) == 1, op,
+              ": block_table: expected unit stride along its blocks, got strides ", block_table.strides());
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t end = p.key_spans == nullptr ? p.len_k : p.key_spans[2 * b + 1];
+    for (int64_t i = 0; i * p.page_size < end; ++i) {
+      const int64_t block = p.pages[b * p.pages_stride + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block_table: entry (", b, ", ", i, ") = ", block,
+                  " is not a block of the cache (", num_blocks, " blocks)");
+    }
+  }
+}
+
+// flash_forward, reading key and value through `paged`'s block table when it has one (paged_forward).
+at::Tensor forward_of(const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& key_padding_mask,
+                      bool is_causal, double scale, const at::Tensor& out, double dropout_p,
+                      const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
+                      bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                      const PagedCache& paged) {
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  describe_pages(p, paged);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
   describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes);
   std::vector<int64_t> spans;
   describe_padding_spans(p, spans);
+  check_pages(op, p, paged.block_table, paged.k_blocks.size(0));
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
-  fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key}, {"value", &value}});
+  const at::Tensor& key_memory = p.pages ? paged.k_blocks : key;
+  const at::Tensor& value_memory = p.pages ? paged.v_blocks : value;
+  fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key_memory}, {"value", &value_memory}});
   p.out = view_of(out);
   at::Tensor lse = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(lse_dtype(query.scalar_type())));
   p.lse = view_of(lse);
@@ -277,6 +320,48 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   if (out.numel() == 0 && lse.numel() == 0) return lse;
   run(p, false);
   return lse;
+}
+
+at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& attn_mask,
+                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
+                         double scale, const at::Tensor& out, double dropout_p,
+                         const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
+                         bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  return forward_of("flash_forward", query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p,
+                    dropout_rng, window_left, window_right, bottom_right, softcap, alibi_slopes, {});
+}
+
+// The (B, H_kv, max_blocks · block_size, D) tensor a paged cache (num_blocks, block_size, H_kv, D) stands for,
+// for the checks of shape, dtype and device: the kernels read its elements through the block table.
+at::Tensor logical_cache(const char* op, const char* name, const at::Tensor& blocks, const at::Tensor& block_table) {
+  TORCH_CHECK(blocks.dim() == 4, op, ": ", name, ": expected a 4-D tensor (num_blocks, block_size, H_kv, D), got shape ",
+              blocks.sizes());
+  TORCH_CHECK(blocks.size(1) > 0, op, ": ", name, ": expected blocks of at least one key, got shape ", blocks.sizes());
+  return blocks.as_strided({block_table.size(0), blocks.size(2), block_table.size(1) * blocks.size(1), blocks.size(3)},
+                           {0, blocks.stride(2), 0, blocks.stride(3)});
+}
+
+// flash_forward over a paged key/value cache: key j of sequence b is row j % block_size of block
+// block_table[b, j / block_size] of k_blocks (and of v_blocks for its value). Every block that holds a
+// key the call visits must be a valid index; the others are never read.
+at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                         const at::Tensor& block_table, const std::optional<at::Tensor>& attn_mask,
+                         const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
+                         const at::Tensor& out, int64_t window_left, int64_t window_right, bool bottom_right,
+                         double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const char* op = "paged_forward";
+  TORCH_CHECK(block_table.dim() == 2, op, ": block_table: expected a 2-D tensor (B, max_blocks), got shape ",
+              block_table.sizes());
+  check_tensor(op, "block_table", block_table, 2, block_table.sizes(), at::kInt);
+  TORCH_CHECK(v_blocks.dim() == 4 && v_blocks.sizes().slice(0, 3) == k_blocks.sizes().slice(0, 3), op,
+              ": v_blocks: expected the blocks (num_blocks, block_size, H_kv) of k_blocks ", k_blocks.sizes().slice(0, 3),
+              ", got shape ", v_blocks.sizes());
+  const at::Tensor key = logical_cache(op, "k_blocks", k_blocks, block_table);
+  const at::Tensor value = logical_cache(op, "v_blocks", v_blocks, block_table);
+  return forward_of(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, 0.0, std::nullopt,
+                    window_left, window_right, bottom_right, softcap, alibi_slopes,
+                    PagedCache{k_blocks, v_blocks, block_table});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
@@ -342,4 +427,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
 TORCH_LIBRARY_IMPL(fused_attn, CPU, m) {
   m.impl("flash_forward", &fused_attn_cpu::flash_forward);
   m.impl("flash_backward", &fused_attn_cpu::flash_backward);
+  m.impl("paged_forward", &fused_attn_cpu::paged_forward);
 }

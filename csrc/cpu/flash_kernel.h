@@ -352,6 +352,20 @@ inline KeyRange key_span(const Params& p, int64_t b) {
   return {p.key_spans[2 * b], p.key_spans[2 * b + 1]};
 }
 
+// Key j of key/value head hk of batch row b in `view` (p.key or p.value, whose data is `base`); keys
+// j .. j + keys_in_block(p, j, n) - 1 follow it at stride view.s[2]. Dense: one block per batch row.
+template <typename T>
+inline const T* key_row(const Params& p, const View& view, const T* base, int64_t b, int64_t hk, int64_t j) {
+  if (p.pages == nullptr) return base + b * view.s[0] + hk * view.s[1] + j * view.s[2];
+  const int64_t block = p.pages[b * p.pages_stride + j / p.page_size];
+  return base + block * view.s[0] + hk * view.s[1] + (j % p.page_size) * view.s[2];
+}
+
+// How many of the n keys from j on lie in j's cache block (all n when the cache is dense).
+inline int64_t keys_in_block(const Params& p, int64_t j, int64_t n) {
+  return p.pages == nullptr ? n : std::min(n, p.page_size - j % p.page_size);
+}
+
 inline KeyRange visible_keys(const Params& p, int64_t qi, KeyRange span) {
   const int64_t diagonal = qi + p.diagonal;
   int64_t first = span.first, end = span.end;
@@ -914,8 +928,6 @@ void forward_impl(const Params& p) {
       const int64_t c0 = chunk * rows_per_item;
       const int64_t rows = std::min(rows_per_item, Lq - c0);
       const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + c0 * p.query.s[2];
-      const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
-      const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
       const ct* q_rows = qbuf;
       int64_t ldq = Dpad;
       if (q_in_place) {
@@ -930,13 +942,13 @@ void forward_impl(const Params& p) {
       // others are never visited. A query block may start later, so P·V always accumulates.
       const KeyRange span = key_span(p, b);
       const int64_t k_begin = visible_keys(p, c0, span).first, k_end = visible_keys(p, c0 + rows - 1, span).end;
-      for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
-        const int64_t bk = std::min(BK, k_end - k0);
+      for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
+        bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
         // Kᵀ block as B (D × bk); V block as B (bk × Dv): packed once for all query blocks here.
-        pack_b(kbuf, k_head + k0 * p.key.s[2], p.key.s[3], p.key.s[2], D, Dpad, bk);
-        pack_b(vbuf, v_head + k0 * p.value.s[2], p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+        pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
+        pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
 
         for (int64_t r0 = 0; r0 < rows; r0 += BQ) {
           const int64_t q0 = c0 + r0;
@@ -1071,8 +1083,6 @@ void decode_impl(const Params& p) {
 
     for (int64_t item; (item = next_item()) >= 0;) {
       const int64_t split = item % splits, hk = (item / splits) % p.heads_kv, b = item / (splits * p.heads_kv);
-      const scalar_t* k_head = K + b * p.key.s[0] + hk * p.key.s[1];
-      const scalar_t* v_head = Vt + b * p.value.s[0] + hk * p.value.s[1];
       for (int64_t g = 0; g < groups; ++g) {
         pack_a(qbuf + g * Lq * Dpad, Dpad, Q + b * p.query.s[0] + (hk * groups + g) * p.query.s[1],
                p.query.s[2], p.query.s[3], Lq, D);
@@ -1084,11 +1094,12 @@ void decode_impl(const Params& p) {
       const int64_t share = (std::max<int64_t>(seen_end - seen_first, 0) + splits - 1) / splits;
       const int64_t k_begin = std::min(seen_end, seen_first + split * share);
       const int64_t k_end = std::min(seen_end, k_begin + share);
-      for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
-        const int64_t bk = std::min(BK, k_end - k0);
+      for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
+        bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
-        const scalar_t* k_block = k_head + k0 * p.key.s[2];
+        const scalar_t* k_block = key_row(p, p.key, K, b, hk, k0);
+        const scalar_t* v_block = key_row(p, p.value, Vt, b, hk, k0);
         if constexpr (vnni) {
           pack_b(kbuf, k_block, p.key.s[3], p.key.s[2], D, Dpad, bk);
           gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
@@ -1115,10 +1126,10 @@ void decode_impl(const Params& p) {
                                  buffers.bits);
         }
         if (v_in_place) {
-          gemm<ct, acc_t>(rows, Dv, bk, pbuf, ldp, reinterpret_cast<const ct*>(v_head + k0 * p.value.s[2]),
-                          p.value.s[2], obuf, Dv, true, p.use_brgemm);
+          gemm<ct, acc_t>(rows, Dv, bk, pbuf, ldp, reinterpret_cast<const ct*>(v_block), p.value.s[2], obuf, Dv,
+                          true, p.use_brgemm);
         } else {
-          pack_b(vbuf, v_head + k0 * p.value.s[2], p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+          pack_b(vbuf, v_block, p.value.s[2], p.value.s[3], bk, bkpad, Dv);
           gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, true, p.use_brgemm);
         }
       }

@@ -25,6 +25,11 @@ struct Params {
   Dtype dtype = Dtype::Float32;
   int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_k = 0, dim_qk = 0, dim_v = 0;
   View query, key, value;  // (B, H_q, L_q, D_qk), (B, H_kv, L_k, D_qk), (B, H_kv, L_k, D_v)
+  // A paged key/value cache (forward only): key j of batch row b lies in cache block
+  // pages[b * pages_stride + j / page_size], at row j % page_size of it; key.s[0] and value.s[0] then step
+  // between blocks, s[2] between a block's rows. Null: key and value are dense (B, H_kv, L_k, D).
+  const int32_t* pages = nullptr;
+  int64_t pages_stride = 0, page_size = 0;
   MaskKind mask_kind = MaskKind::None;
   View mask;               // (B, H_q, L_q, L_k), stride 0 where it broadcasts
   View key_padding;        // bool (B, L_k) in s[0], s[1]; data null when absent or said by key_spans

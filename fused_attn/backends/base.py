@@ -102,6 +102,18 @@ class Backend:
         """
         raise NotImplementedError
 
+    def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal: bool,
+                      scale: float, out: torch.Tensor, variant: ScoreVariant = PLAIN) -> torch.Tensor:
+        """`forward` over a paged key/value cache (fused_attn.kvcache): key and value are blocks
+        (num_blocks, block_size, H_kv, D), key j of batch row b is row j % block_size of block
+        `block_table[b, j // block_size]` (int32 (B, max_blocks), unit stride along the blocks); L_k is
+        max_blocks · block_size, and `key_padding_mask` hides every key past each row's end, whose
+        blocks need not be valid indices. No dropout (inference). By default the blocks are gathered
+        into a dense (B, H_kv, L_k, D) copy for `forward` (the definition; backends whose kernels read
+        the block table override it)."""
+        key, value = (packed.gathered_blocks(blocks, block_table, key_padding_mask) for blocks in (k_blocks, v_blocks))
+        return self.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, None, variant)
+
     def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                        is_causal: bool, scale: float, out: torch.Tensor, lse: torch.Tensor,
                        dropout: Dropout | None = None, variant: ScoreVariant = PLAIN) -> None:

@@ -7,12 +7,15 @@ defaults 128 × 512 forward, 64 × 256 backward), FUSED_ATTN_CPU_BRGEMM=0 (the b
 instead of oneDNN's brgemm), FUSED_ATTN_CPU_DECODE=0 (the long-query forward also for L_q <= 16,
 where the decode kernels run by default: one item per key/value head and its whole query group, keys
 split between threads when heads are few), FUSED_ATTN_CPU_ISA=default|avx2|avx512|avx512_bf16 (a compiled copy of
-the kernels, up to what the CPU runs).
+the kernels, up to what the CPU runs). Paged key/value caches are read through their block table
+(`torch.ops.fused_attn.paged_forward`), one cache block at most per key block of the kernels.
 """
 
 from __future__ import annotations
 
-from ..scores import FEATURES
+import torch
+
+from ..scores import FEATURES, PLAIN
 from .extension import ExtensionBackend
 
 
@@ -23,3 +26,9 @@ class CpuBackend(ExtensionBackend):
     takes_mask_gradient = True
     takes_score_variants = frozenset(FEATURES)
     takes_varlen = True
+
+    def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal, scale, out,
+                      variant=PLAIN):
+        self.check_variant(variant, is_causal)
+        return torch.ops.fused_attn.paged_forward(query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask,
+                                                  is_causal, scale, out, *variant.op_args())

@@ -1,5 +1,6 @@
 """Packed batches of sequences (fused_attn.varlen) run one sequence at a time: the default of
-`Backend.forward_varlen` / `backward_varlen` for backends whose kernels do not read sequence bounds.
+`Backend.forward_varlen` / `backward_varlen` for backends whose kernels do not read sequence bounds;
+and paged caches gathered into dense ones, the default of `Backend.forward_paged`.
 
 Sequence b is a strided (1, H, L, D) view of the packed (total, H, D) tensors, so the ordinary kernels
 read and write the packed storage in place. The bounds are read on the host (free for CPU tensors).
@@ -68,3 +69,13 @@ def backward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, 
         for packed, grad, (start, end) in zip(grads, seq_grads, ((q0, q1), (k0, k1), (k0, k1))):
             sequence_view(packed, start, end).copy_(grad)
     return grads
+
+
+def gathered_blocks(blocks: torch.Tensor, block_table: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+    """The (B, H_kv, max_blocks · block_size, D) dense copy of a paged cache's sequences, zeros where
+    `key_padding_mask` (B, L_k) hides a key: what lies past a sequence's end, even NaN or a table entry
+    that is no block index, never reaches the result."""
+    table = block_table.long()
+    table = table.where((table >= 0) & (table < blocks.shape[0]), 0)
+    dense = blocks[table].flatten(1, 2).transpose(1, 2)
+    return dense.masked_fill(key_padding_mask[:, None, :, None], 0)

@@ -2,7 +2,8 @@
 
 Chosen automatically for CUDA tensors. Forward calls with few query rows (L_q <= 16) run the
 split-KV decode kernels of `triton_decode` (FUSED_ATTN_TRITON_DECODE=0 turns them off); packed batches
-(`attention_varlen`) run in one launch per kernel. With TRITON_INTERPRET=1 set before the kernels are first
+(`attention_varlen`) run in one launch per kernel; paged key/value caches are read through their block
+table (`forward_paged`). With TRITON_INTERPRET=1 set before the kernels are first
 imported, it also accepts CPU tensors and runs the same kernels through Triton's interpreter; it is
 never chosen automatically for them (`backend="triton"` asks for it).
 """
@@ -33,6 +34,12 @@ def _kernels():
     # Imported on first use so that `triton.jit` reads TRITON_INTERPRET as the caller left it.
     from . import triton_kernels
     return triton_kernels
+
+
+def _no_key_seen(query, out) -> torch.Tensor:
+    """A call with nothing to launch, no rows or rows that see no key: output 0, lse -inf."""
+    out.zero_()
+    return torch.full(query.shape[:3], float("-inf"), dtype=torch.float32, device=query.device)
 
 
 class TritonBackend(Backend):
@@ -74,12 +81,8 @@ class TritonBackend(Backend):
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
                 variant=PLAIN):
         self.check_variant(variant, is_causal)
-        batch, heads_q, len_q, _ = query.shape
         if out.numel() == 0 or key.shape[2] == 0:
-            # Nothing to launch: no rows, or rows that see no key (output 0, lse -inf).
-            out.zero_()
-            return torch.full((batch, heads_q, len_q), float("-inf"), dtype=torch.float32,
-                              device=query.device)
+            return _no_key_seen(query, out)
         kernels = _kernels()
         from . import triton_decode  # after the kernels it builds on
 
@@ -88,6 +91,22 @@ class TritonBackend(Backend):
                                          variant)
         return kernels.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
                                dropout, variant)
+
+    def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal, scale, out,
+                      variant=PLAIN):
+        self.check_variant(variant, is_causal)
+        kernels = _kernels()
+        from . import triton_decode
+
+        pages = kernels.Pages(block_table, k_blocks.shape[1])
+        key, value = kernels.block_major(k_blocks), kernels.block_major(v_blocks)
+        if out.numel() == 0 or pages.len_k == 0:
+            return _no_key_seen(query, out)
+        if triton_decode.takes(query, key, value, None, pages.len_k):
+            return triton_decode.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, variant,
+                                         pages)
+        return kernels.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, None, variant,
+                               pages)
 
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                  grad_out, grad_lse, dropout=None, grad_mask=None, variant=PLAIN):

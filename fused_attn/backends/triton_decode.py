@@ -37,16 +37,17 @@ COMBINE_WARPS = 4
 
 @triton.jit
 def _attn_decode(
-    Q, K, V, MASK, KPM, SPANS, ALIBI, PART_O, PART_LSE,
+    Q, K, V, MASK, KPM, SPANS, ALIBI, PAGES, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb, stride_pn, stride_ab, stride_ah,
+    stride_pb, stride_pn, stride_ab, stride_ah, stride_tb, PAGE_SIZE,
     H_KV, GROUP, L_Q, L_K, SPLITS, KEYS_PER_SPLIT, qk_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One split of the keys for one key/value head's query group. The workspace is PART_O
     (B, H_kv, SPLITS, BLOCK_M, BLOCK_DV) and PART_LSE (B, H_kv, SPLITS, BLOCK_M), contiguous, fp32."""
@@ -66,8 +67,8 @@ def _attn_decode(
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + off_b * stride_qb + offs_h[:, None] * stride_qh + offs_i64[:, None] * stride_qm
                 + offs_dqk[None, :] * stride_qd, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
-    k_base = K + off_b * stride_kb + off_hkv * stride_kh
-    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    k_base = K + off_hkv * stride_kh
+    v_base = V + off_hkv * stride_vh
     mask_base = MASK + off_b * stride_mb + offs_h[:, None] * stride_mh + offs_i64[:, None] * stride_mm
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
@@ -85,15 +86,16 @@ def _attn_decode(
         lo, hi = tk._within_span(SPANS, off_b, lo, hi, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_n64 = offs_n.to(tl.int64)
         col_ok = offs_n < hi
-        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+        k_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
+        v_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
+        k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         s, _ = tk._visible_scores(q, k_t, offs_i[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
                                   KPM + off_b * stride_pb, stride_pn, slope2[:, None], softcap2, qk_scale, DIAG,
                                   LEFT, RIGHT, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, PRECISION)
         p, alpha, m_new, l_i = tk._online_softmax(s, m_i, l_i)
-        v = tl.load(v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -149,12 +151,13 @@ def enabled() -> bool:
 MAX_HEAD_DIM = 128  # the fixed config's tiles, checked by the static report up to here
 
 
-def takes(query, key, value, dropout) -> bool:
+def takes(query, key, value, dropout, len_k=None) -> bool:
     """Whether a forward call runs the decode kernels: few query rows per key/value head, head dims up
-    to MAX_HEAD_DIM, no dropout."""
+    to MAX_HEAD_DIM, no dropout (`len_k`: the keys, where `key` is a paged cache's blocks)."""
     len_q, group = query.shape[2], query.shape[1] // key.shape[1]
+    len_k = key.shape[2] if len_k is None else len_k
     return enabled() and dropout is None and 0 < len_q <= MAX_QUERIES and group * len_q <= MAX_ROWS \
-        and key.shape[2] > 0 and max(query.shape[3], value.shape[3]) <= MAX_HEAD_DIM
+        and len_k > 0 and max(query.shape[3], value.shape[3]) <= MAX_HEAD_DIM
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,23 +197,27 @@ def block_n(dtype: torch.dtype, head_dim: int) -> int:
     return 32 if dtype == torch.float32 and head_dim > 64 else 64
 
 
-def decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits, part_o, part_lse):
-    """(positional args, constexprs) of `_attn_decode`, shared by the launch and the static report."""
+def decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits, part_o, part_lse,
+                pages=None):
+    """(positional args, constexprs) of `_attn_decode`, shared by the launch and the static report. With
+    `pages` (triton_kernels.Pages), key and value are the cache's `block_major` views."""
     batch, heads_q, len_q, dim_qk = query.shape
-    heads_kv, len_k, dim_v = key.shape[1], key.shape[2], value.shape[3]
+    heads_kv, dim_v = key.shape[1], value.shape[3]
+    len_k = tk._lengths(query, key, None, pages)[1]
+    table, page_values, page_constexprs = tk.page_args(pages, part_lse)
     mask, kind, mask_strides, padding, padding_strides, spans = tk._mask_args(attn_mask, key_padding_mask, query)
     alibi, alibi_strides, variant_values, variant_constexprs = tk._variant_args(variant, is_causal, len_q, len_k,
                                                                                 part_lse)
     bn = block_n(query.dtype, max(dim_qk, dim_v))
     keys_per_split = triton.cdiv(triton.cdiv(len_k, splits), bn) * bn
-    args = (query, key, value, mask, padding, spans, alibi, part_o, part_lse,
+    args = (query, key, value, mask, padding, spans, alibi, table, part_o, part_lse,
             *query.stride(), *key.stride(), *value.stride(), *mask_strides, *padding_strides, *alibi_strides,
-            heads_kv, heads_q // heads_kv, len_q, len_k, splits, keys_per_split, float(scale) * tk.LOG2E,
+            *page_values, heads_kv, heads_q // heads_kv, len_q, len_k, splits, keys_per_split, float(scale) * tk.LOG2E,
             *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=tk.padded_head_dim(dim_qk),
                       BLOCK_DV=tk.padded_head_dim(dim_v), MASK_KIND=kind, HAS_KPM=key_padding_mask is not None,
                       **{name: variant_constexprs[name] for name in ("BANDED", "SOFTCAP", "HAS_ALIBI")},
-                      PRECISION=tk._precision(query.dtype), BLOCK_M=tile_rows((heads_q // heads_kv) * len_q),
+                      **page_constexprs, PRECISION=tk._precision(query.dtype), BLOCK_M=tile_rows((heads_q // heads_kv) * len_q),
                       BLOCK_N=bn)
     return args, constexprs
 
@@ -234,15 +241,16 @@ def workspace(query, key, value, splits):
             torch.empty(batch, heads_kv, splits, rows, **options))
 
 
-def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, variant) -> torch.Tensor:
-    """Writes attention into `out`; returns the fp32 log-sum-exp (B, H_q, L_q)."""
+def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, variant, pages=None) -> torch.Tensor:
+    """Writes attention into `out`; returns the fp32 log-sum-exp (B, H_q, L_q). With `pages`
+    (triton_kernels.Pages), key and value are the cache's `block_major` views."""
     batch, heads_q, len_q, _ = query.shape
     heads_kv = key.shape[1]
-    splits = split_count(batch, heads_kv, key.shape[2], query.device)
+    splits = split_count(batch, heads_kv, tk._lengths(query, key, None, pages)[1], query.device)
     part_o, part_lse = workspace(query, key, value, splits)
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
     args, constexprs = decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits,
-                                   part_o, part_lse)
+                                   part_o, part_lse, pages)
     with tk._on_device(query):
         _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=DECODE_WARPS,
                                                    num_stages=DECODE_STAGES)

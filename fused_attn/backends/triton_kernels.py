@@ -133,6 +133,18 @@ def _packed_sequence(CU_Q, CU_K, off_b, L_Q, L_K, DIAG, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _key_offsets(PAGES, off_b, offs_n, col_ok, stride_b, stride_n, stride_tb, PAGE_SIZE, PAGED: tl.constexpr):
+    """Offsets from K (or V, by its strides) of keys offs_n of batch row off_b: off_b * stride_b + n * stride_n;
+    in a paged cache (PAGED), the key's block PAGES[off_b, n // PAGE_SIZE] (table row stride stride_tb)
+    times the block stride stride_b, plus its row n % PAGE_SIZE times stride_n."""
+    offsets = off_b * stride_b + offs_n.to(tl.int64) * stride_n
+    if PAGED:  # one return: Triton requires every return of a function to have the same types
+        block = tl.load(PAGES + off_b * stride_tb + offs_n // PAGE_SIZE, mask=col_ok, other=0).to(tl.int64)
+        offsets = block * stride_b + (offs_n % PAGE_SIZE).to(tl.int64) * stride_n
+    return offsets
+
+
+@triton.jit
 def _in_band(q_idx, k_idx, DIAG, LEFT, RIGHT):
     """Whether query q_idx sees key k_idx through the band (indices broadcast against each other)."""
     distance = k_idx - (q_idx + DIAG)
@@ -205,18 +217,18 @@ def _online_softmax(s, m_i, l_i):
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K,
+    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K, PAGES,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_pb, stride_pn, stride_ab, stride_ah,
+    stride_pb, stride_pn, stride_ab, stride_ah, stride_tb, PAGE_SIZE,
     H_Q, GROUP, L_Q, L_K, qk_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
@@ -245,8 +257,8 @@ def _attn_fwd(
     q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
               + offs_m64[:, None] * stride_qm + offs_dqk[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
-    k_base = K + off_b * stride_kb + off_hkv * stride_kh
-    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    k_base = K + off_hkv * stride_kh
+    v_base = V + off_hkv * stride_vh
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_m64[:, None] * stride_mm
     kpm_base = KPM + off_b * stride_pb
 
@@ -270,9 +282,10 @@ def _attn_fwd(
         hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_n64 = offs_n.to(tl.int64)
         col_ok = offs_n < L_K
-        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+        k_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
+        v_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
+        k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
                                stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, MASK_KIND, HAS_KPM, BANDED,
@@ -282,7 +295,7 @@ def _attn_fwd(
             # The sum above is of the undropped weights; the kept ones are scaled at the end.
             bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
             p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
-        v = tl.load(v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -799,8 +812,37 @@ def _sequence_args(sequences: Sequences | None, dummy):
     return (sequences.cu_seqlens_q, sequences.cu_seqlens_k), dict(VARLEN=True)
 
 
-def _lengths(query, key, sequences: Sequences | None) -> tuple[int, int]:
-    """The L_Q and L_K the grid is made for: the longest sequences of a packed batch."""
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """A paged key/value cache (fused_attn.kvcache): the int32 (B, max_blocks) block table, unit stride
+    along the blocks. Key and value reach the kernels as (num_blocks, H_kv, block_size, D) views of
+    the blocks (`block_major`), whose batch stride steps between blocks; each key's block is looked up."""
+
+    block_table: torch.Tensor
+    block_size: int
+
+    @property
+    def len_k(self) -> int:
+        return self.block_table.shape[1] * self.block_size
+
+
+def block_major(blocks: torch.Tensor) -> torch.Tensor:
+    """Cache blocks (num_blocks, block_size, H_kv, D) as the (num_blocks, H_kv, block_size, D) view."""
+    return blocks.transpose(1, 2)
+
+
+def page_args(pages: Pages | None, dummy):
+    """(PAGES pointer, (stride_tb, PAGE_SIZE)) kernel arguments and the PAGED constexpr."""
+    if pages is None:
+        return dummy, (0, 1), dict(PAGED=False)
+    return pages.block_table, (pages.block_table.stride(0), pages.block_size), dict(PAGED=True)
+
+
+def _lengths(query, key, sequences: Sequences | None, pages: Pages | None = None) -> tuple[int, int]:
+    """The L_Q and L_K the grid is made for: the longest sequences of a packed batch; a paged cache's
+    max_blocks · block_size keys."""
+    if pages is not None:
+        return query.shape[2], pages.len_k
     if sequences is None:
         return query.shape[2], key.shape[2]
     return sequences.max_seqlen_q, sequences.max_seqlen_k
@@ -824,25 +866,27 @@ def _variant_args(variant, is_causal, len_q, len_k, dummy, packed=False):
 
 
 def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None,
-                 variant=PLAIN, sequences: Sequences | None = None):
-    """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report."""
+                 variant=PLAIN, sequences: Sequences | None = None, pages: Pages | None = None):
+    """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report.
+    With `pages`, key and value are the cache's `block_major` views."""
     batch, heads_q, _, dim_qk = query.shape
     heads_kv, dim_v = key.shape[1], value.shape[3]
-    len_q, len_k = _lengths(query, key, sequences)
+    len_q, len_k = _lengths(query, key, sequences, pages)
+    table, page_values, page_constexprs = page_args(pages, lse)
     mask, kind, mask_strides, padding, padding_strides, spans = _mask_args(attn_mask, key_padding_mask, query)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
     alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse,
                                                                              sequences is not None)
     bounds, packed_constexprs = _sequence_args(sequences, lse)
-    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds,
+    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds, table,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
-            *mask_strides, *padding_strides, *alibi_strides,
+            *mask_strides, *padding_strides, *alibi_strides, *page_values,
             heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E,
             drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
                       HAS_KPM=key_padding_mask is not None, **variant_constexprs, **packed_constexprs,
-                      HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
+                      **page_constexprs, HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
     return args, constexprs
 
 
@@ -1007,20 +1051,22 @@ def new_gradient(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-            dropout=None, variant=PLAIN) -> torch.Tensor:
-    """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q)."""
+            dropout=None, variant=PLAIN, pages: Pages | None = None) -> torch.Tensor:
+    """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q).
+    With `pages`, key and value are the cache's `block_major` views."""
     batch, heads_q, len_q, _ = query.shape
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
-    _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout, variant)
+    _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout, variant,
+             pages=pages)
     return lse
 
 
 def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout, variant,
-             sequences=None):
+             sequences=None, pages=None):
     args, constexprs = forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
-                                    out, lse, dropout, variant, sequences)
+                                    out, lse, dropout, variant, sequences, pages)
     batch, heads_q = query.shape[:2]
-    len_q, _ = _lengths(query, key, sequences)
+    len_q = query.shape[2] if sequences is None else sequences.max_seqlen_q
     with _on_device(query):
         _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
 
