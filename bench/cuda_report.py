@@ -2,7 +2,9 @@
 
 Every kernel instance the extension ships (FUSED_ATTN_CUDA_FOR_EACH_INSTANCE in
 csrc/cuda/flash_kernels.cuh: fp16, bf16 and fp32 at head dims 32, 64, 128, 256; forward, backward
-dK/dV and dQ, plus the backward's delta kernel per dtype) is compiled by nvcc for sm_80 and sm_90
+dK/dV and dQ, plus the backward's delta kernel per dtype; and FUSED_ATTN_CUDA_FOR_EACH_DECODE_INSTANCE:
+the split-KV decode kernel at head dims 32, 64, 128 with tiles of 16 and 64 rows, plus its combine
+kernel per dtype) is compiled by nvcc for sm_80 and sm_90
 from one generated translation unit that instantiates them explicitly. ptxas's own report
 (`-Xptxas -v --resource-usage`) gives registers, stack and spills; the tile configuration and the
 dynamic shared memory of each instance come from the same header, printed by the host part of that
@@ -13,7 +15,8 @@ sm_90, which WMMA does not use).
 Causal masking, dropout and the mask gradient are runtime arguments of these kernels, so every
 instance carries their code and `causal` is None in every row; `philox_rounds` counts the multiplies
 by Philox's first constant in the SASS (ten per Philox4x32-10 block), which shows the dropout stream
-is compiled into the forward and both backward tile kernels.
+is compiled into the forward and both backward tile kernels (and left out of the decode kernel,
+which never drops).
 
     python -m bench.cuda_report            # table
     python -m bench.cuda_report --json     # one JSON object per (kernel instance, target)
@@ -41,9 +44,12 @@ MAX_REGISTERS = 255  # per thread; __launch_bounds__(128, 1) lets ptxas use all 
 TENSOR_CORE_PREFIXES = ("HMMA", "HGMMA")
 DTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32"}
 MANGLED_DTYPES = {"6__half": "__half", "13__nv_bfloat16": "__nv_bfloat16", "f": "float"}
-# Kernels made of tile products: on tensor cores for fp16/bf16, on CUDA cores for fp32. They also
-# regenerate dropout's stream.
-MATMUL_KERNELS = ("forward", "backward_dkdv", "backward_dq")
+# Kernels that regenerate dropout's stream.
+DROPOUT_KERNELS = ("forward", "backward_dkdv", "backward_dq")
+# Kernels made of tile products: on tensor cores for fp16/bf16, on CUDA cores for fp32.
+MATMUL_KERNELS = (*DROPOUT_KERNELS, "decode")
+# Every kernel of the report.
+KERNELS = (*MATMUL_KERNELS, "backward_delta", "decode_combine")
 # One round of Philox4x32 multiplies by 0xD2511F53, which SASS prints as the signed immediate.
 PHILOX_MULTIPLY = re.compile(r"IMAD\.WIDE\.U32\b.*(?:0xd2511f53|-0x2daee0ad)\s*,", re.IGNORECASE)
 PHILOX_ROUNDS = 10
@@ -59,14 +65,22 @@ INSTANCES_SOURCE = r"""
   template __global__ void fused_attn_cuda::flash_backward_dkdv_kernel<T, D>(const fused_attn_cuda::BackwardParams); \
   template __global__ void fused_attn_cuda::flash_backward_dq_kernel<T, D>(const fused_attn_cuda::BackwardParams);
 FUSED_ATTN_CUDA_FOR_EACH_INSTANCE(FA_INSTANTIATE)
-template __global__ void fused_attn_cuda::flash_backward_delta_kernel<__half>(const fused_attn_cuda::DeltaParams);
-template __global__ void fused_attn_cuda::flash_backward_delta_kernel<__nv_bfloat16>(const fused_attn_cuda::DeltaParams);
-template __global__ void fused_attn_cuda::flash_backward_delta_kernel<float>(const fused_attn_cuda::DeltaParams);
+#define FA_INSTANTIATE_DECODE(T, D, BM) \
+  template __global__ void fused_attn_cuda::flash_decode_kernel<T, D, BM>(const fused_attn_cuda::DecodeParams);
+FUSED_ATTN_CUDA_FOR_EACH_DECODE_INSTANCE(FA_INSTANTIATE_DECODE)
+#define FA_INSTANTIATE_ROWS(T)                                                                                 \
+  template __global__ void fused_attn_cuda::flash_backward_delta_kernel<T>(const fused_attn_cuda::DeltaParams); \
+  template __global__ void fused_attn_cuda::flash_decode_combine_kernel<T>(const fused_attn_cuda::CombineParams);
+FA_INSTANTIATE_ROWS(__half)
+FA_INSTANTIATE_ROWS(__nv_bfloat16)
+FA_INSTANTIATE_ROWS(float)
 
-static void print_config(const char* kernel, const char* dtype, int head, int m, int n, int shared) {
+// `tile_rows`: the decode instance's template tile (null for the others, which have one per head dim).
+static void print_config(const char* kernel, const char* dtype, int head, int m, int n, int shared,
+                         const char* tile_rows = "null") {
   std::printf("{\"kernel\": \"%s\", \"dtype\": \"%s\", \"head_dim\": %d, \"block_m\": %d, "
-              "\"block_n\": %d, \"threads\": %d, \"dynamic_shared_bytes\": %d}\n",
-              kernel, dtype, head, m, n, fused_attn_cuda::kThreads, shared);
+              "\"block_n\": %d, \"threads\": %d, \"dynamic_shared_bytes\": %d, \"tile_rows\": %s}\n",
+              kernel, dtype, head, m, n, fused_attn_cuda::kThreads, shared, tile_rows);
 }
 
 #define FA_PRINT_ONE(KIND, NAME, T, D)                                                     \
@@ -79,12 +93,18 @@ static void print_config(const char* kernel, const char* dtype, int head, int m,
   FA_PRINT_ONE(kBackwardKVKernel, "backward_dkdv", T, D)     \
   FA_PRINT_ONE(kBackwardQKernel, "backward_dq", T, D)
 
+#define FA_PRINT_DECODE(T, D, BM)                                                           \
+  print_config("decode", #T, D, BM, fused_attn_cuda::DecodeConfig<T, D, BM>::block_n,       \
+               fused_attn_cuda::DecodeConfig<T, D, BM>::shared_bytes, #BM);
+
 int main() {
   FUSED_ATTN_CUDA_FOR_EACH_INSTANCE(FA_PRINT)
-  for (const char* dtype : {"__half", "__nv_bfloat16", "float"})  // one row (a warp) per warp
-    std::printf("{\"kernel\": \"backward_delta\", \"dtype\": \"%s\", \"head_dim\": null, "
-                "\"block_m\": %d, \"block_n\": 0, \"threads\": %d, \"dynamic_shared_bytes\": 0}\n",
-                dtype, fused_attn_cuda::kWarps, fused_attn_cuda::kThreads);
+  FUSED_ATTN_CUDA_FOR_EACH_DECODE_INSTANCE(FA_PRINT_DECODE)
+  for (const char* kernel : {"backward_delta", "decode_combine"})
+    for (const char* dtype : {"__half", "__nv_bfloat16", "float"})  // one row (a warp) per warp
+      std::printf("{\"kernel\": \"%s\", \"dtype\": \"%s\", \"head_dim\": null, \"block_m\": %d, "
+                  "\"block_n\": 0, \"threads\": %d, \"dynamic_shared_bytes\": 0, \"tile_rows\": null}\n",
+                  kernel, dtype, fused_attn_cuda::kWarps, fused_attn_cuda::kThreads);
   std::printf("{\"max_shared_bytes\": %d}\n", fused_attn_cuda::kMaxSharedBytes);
   return 0;
 }
@@ -113,13 +133,15 @@ def find_nvcc() -> str:
     raise ToolMissing("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
 
 
-def _parse_mangled(name: str) -> tuple[str, str, int | None] | None:
-    """('forward', '__half', 64) style identity of a kernel from its mangled name."""
-    match = re.search(r"fused_attn_cuda\d+flash_(\w+?)_kernelI(6__half|13__nv_bfloat16|f)(?:Li(\d+)E)?E", name)
+def _parse_mangled(name: str) -> tuple[str, str, int | None, int | None] | None:
+    """('forward', '__half', 64, None) style identity of a kernel from its mangled name: kernel, element
+    type, head dim and, for the decode kernel, its tile rows."""
+    match = re.search(r"fused_attn_cuda\d+flash_(\w+?)_kernelI(6__half|13__nv_bfloat16|f)(?:Li(\d+)E)?(?:Li(\d+)E)?E",
+                      name)
     if match is None:
         return None
-    kernel, dtype, head = match.groups()
-    return kernel, MANGLED_DTYPES[dtype], int(head) if head else None
+    kernel, dtype, head, rows = match.groups()
+    return kernel, MANGLED_DTYPES[dtype], int(head) if head else None, int(rows) if rows else None
 
 
 def parse_ptxas(log: str) -> dict:
@@ -176,7 +198,7 @@ def _run(command, cwd, timeout):
 
 
 def _row(target, identity, config, resources, instructions) -> dict:
-    kernel, dtype, head_dim = identity
+    kernel, dtype, head_dim, _ = identity
     tensor_cores = {name: count for name, count in instructions.items() if name != "philox_rounds"}
     dynamic = config["dynamic_shared_bytes"]
     row = {
@@ -203,8 +225,10 @@ def _row(target, identity, config, resources, instructions) -> dict:
         problems.append("no tensor-core instruction in an fp16/bf16 tile-product kernel")
     if (kernel not in MATMUL_KERNELS or dtype == "float") and uses_tensor_cores:
         problems.append("tensor-core instructions where CUDA cores were meant (fp32 or no products)")
-    if kernel in MATMUL_KERNELS and row["philox_rounds"] < PHILOX_ROUNDS:
+    if kernel in DROPOUT_KERNELS and row["philox_rounds"] < PHILOX_ROUNDS:
         problems.append(f"{row['philox_rounds']} Philox rounds: the dropout stream is not compiled in")
+    if kernel not in DROPOUT_KERNELS and row["philox_rounds"]:
+        problems.append(f"{row['philox_rounds']} Philox rounds in a kernel that never drops")
     row["fits"] = not problems
     row["problems"] = problems
     return row
@@ -231,7 +255,7 @@ def report(targets=TARGETS, timeout=1800, workdir: str | None = None) -> list[di
                             tmp, timeout)
             if configs is None:  # the configuration is host-side and the same for every target
                 lines = _run([str(binary)], tmp, timeout).stdout.splitlines()
-                configs = {(c["kernel"], c["dtype"], c["head_dim"]): c
+                configs = {(c["kernel"], c["dtype"], c["head_dim"], c["tile_rows"]): c
                            for c in map(json.loads, lines) if "kernel" in c}
             resources = parse_ptxas(compiled.stdout + compiled.stderr)
             sass = parse_sass(_run([cuobjdump, "--dump-sass", str(binary)], tmp, timeout).stdout)
@@ -240,8 +264,10 @@ def report(targets=TARGETS, timeout=1800, workdir: str | None = None) -> list[di
                 if identity is None:
                     continue
                 rows.append(_row(target, identity, configs[identity], usage, sass.get(name, {})))
-        order = {name: i for i, name in enumerate(("forward", "backward_delta", "backward_dkdv", "backward_dq"))}
-        return sorted(rows, key=lambda r: (r["target"], order.get(r["kernel"], 9), r["dtype"], r["head_dim"] or 0))
+        order = {name: i for i, name in enumerate(("forward", "decode", "decode_combine", "backward_delta",
+                                                   "backward_dkdv", "backward_dq"))}
+        return sorted(rows, key=lambda r: (r["target"], order.get(r["kernel"], 9), r["dtype"], r["head_dim"] or 0,
+                                           r["config"]))
 
 
 def compile_glue(target: str = "sm_80", timeout=1800) -> str:

@@ -244,6 +244,21 @@ class Case:
         return self.dim_qk ** -0.5 if self.scale is None else self.scale
 
 
+# Few query rows, the forward of generation steps: the cases of the split-KV decode kernels (triton_decode,
+# csrc/cuda's flash_decode_kernel) of every backend's tests.
+DECODE_CASES = {
+    "one_query_gqa": Case(len_q=1, len_k=700, heads_q=8, heads_kv=2, batch=1),
+    "one_query_padding_softcap": Case(len_q=1, len_k=333, key_padding=True, softcap=3.0, alibi="batch"),
+    "few_queries_bottom_right_window": Case(len_q=5, len_k=600, heads_q=4, heads_kv=1, is_causal=True,
+                                            causal_alignment="bottom_right", window=(300, 0), alibi="heads"),
+    "queries_over_keys_masks": Case(len_q=16, len_k=9, heads_q=4, heads_kv=4, is_causal=True,
+                                    causal_alignment="bottom_right", mask="additive", mask_shape="heads_keys",
+                                    hidden_rows=True, lse_grad=True),
+    "bool_mask_mqa_odd_dims": Case(len_q=3, len_k=280, heads_q=6, heads_kv=1, mask="bool", dim_qk=40, dim_v=24,
+                                   key_padding=True),
+}
+
+
 def rotated_layouts(rotation: int) -> dict[str, str]:
     """{tensor name: layout}: the five tensors of LAID_OUT get five different LAYOUTS; across the five
     rotations every tensor sees every layout."""

@@ -1,6 +1,6 @@
 """The `cuda` backend's kernels compiled by nvcc for sm_80 and sm_90, judged by ptxas's own report.
 
-Every shipped template instance: no spills, registers within what __launch_bounds__ allows, shared
+Every shipped template instance (the split-KV decode kernels' too): no spills, registers within what __launch_bounds__ allows, shared
 memory within the target's limit (and within 99 KB, so sm_86/sm_89 run them too), tensor-core
 instructions in the fp16/bf16 tile products and none in the fp32 ones. Skips only where nvcc is
 absent. The rows are the cuda rows of `python -m bench.inspect --json`, run once per test session
@@ -26,6 +26,17 @@ def shipped_instances() -> set[tuple[str, int]]:
     return {(cuda_report.DTYPE_NAMES[t], int(d)) for t, d in re.findall(r"X\((\w+), (\d+)\)", body)}
 
 
+def shipped_decode_instances() -> set[tuple[str, int, int]]:
+    """(dtype, head dim, tile rows) of FUSED_ATTN_CUDA_FOR_EACH_DECODE_INSTANCE, read from the header."""
+    text = HEADER.read_text()
+    tiles = re.search(r"#define FUSED_ATTN_CUDA_DECODE_TILES\(X, T, D\) (.*)", text).group(1)
+    rows = [int(m) for m in re.findall(r"X\(T, D, (\d+)\)", tiles)]
+    start = text.index("#define FUSED_ATTN_CUDA_FOR_EACH_DECODE_INSTANCE(X)")
+    body = text[start:text.index("\n\n", start)]
+    return {(cuda_report.DTYPE_NAMES[t], int(d), m)
+            for t, d in re.findall(r"DECODE_TILES\(X, (\w+), (\d+)\)", body) for m in rows}
+
+
 @pytest.fixture(scope="module")
 def report_rows(static_gpu_report):
     try:
@@ -43,15 +54,18 @@ def _offenders(rows, predicate):
 
 
 def test_every_shipped_instance_is_compiled_for_every_target(report_rows):
-    instances = shipped_instances()
-    assert len(instances) == 12
+    instances, decode_instances = shipped_instances(), shipped_decode_instances()
+    assert len(instances) == 12 and len(decode_instances) == 18
     for target in cuda_report.TARGETS:
         rows = [r for r in report_rows if r["target"] == target]
-        for kernel in cuda_report.MATMUL_KERNELS:
+        for kernel in cuda_report.DROPOUT_KERNELS:
             compiled = {(r["dtype"], r["head_dim"]) for r in rows if r["kernel"] == kernel}
             assert compiled == instances, (target, kernel)
-        delta = {r["dtype"] for r in rows if r["kernel"] == "backward_delta"}
-        assert delta == {"float16", "bfloat16", "float32"}, target
+        decode = {(r["dtype"], r["head_dim"], int(re.match(r"BLOCK_M=(\d+)", r["config"]).group(1)))
+                  for r in rows if r["kernel"] == "decode"}
+        assert decode == decode_instances, target
+        for kernel in ("backward_delta", "decode_combine"):
+            assert {r["dtype"] for r in rows if r["kernel"] == kernel} == {"float16", "bfloat16", "float32"}, target
 
 
 def test_no_spills_and_no_stack(report_rows):
@@ -96,10 +110,11 @@ def test_report_rows_have_the_documented_keys(report_rows):
 
 def test_dropout_stream_is_compiled_into_every_tile_kernel(report_rows):
     """Dropout is a runtime argument: each forward and backward tile kernel holds one Philox4x32-10
-    block (ten rounds) in its SASS, so the registers and spills above include it."""
-    tiles = [r for r in report_rows if r["kernel"] in cuda_report.MATMUL_KERNELS]
+    block (ten rounds) in its SASS, so the registers and spills above include it; the decode kernel,
+    which never drops, holds none (its tile code is the forward's with the stream turned off)."""
+    tiles = [r for r in report_rows if r["kernel"] in cuda_report.DROPOUT_KERNELS]
     assert tiles and not _offenders(tiles, lambda r: r["philox_rounds"] < cuda_report.PHILOX_ROUNDS)
-    assert all(r["philox_rounds"] == 0 for r in report_rows if r["kernel"] == "backward_delta")
+    assert all(r["philox_rounds"] == 0 for r in report_rows if r["kernel"] not in cuda_report.DROPOUT_KERNELS)
 
 
 @pytest.mark.slow
@@ -139,8 +154,12 @@ def test_parsers_read_ptxas_and_sass():
     name = next(iter(usage))
     assert usage[name] == {"registers": 74, "stack_bytes": 8, "spill_bytes": 16, "static_shared_bytes": 1024}
     assert cuda_report.parse_sass(SASS_SAMPLE)[name] == {"HMMA.16816.F32": 2, "philox_rounds": 1}
-    assert cuda_report._parse_mangled(name) == ("forward", "__half", 64)
-    row = cuda_report._row("sm_80", ("forward", "__half", 64),
+    assert cuda_report._parse_mangled(name) == ("forward", "__half", 64, None)
+    assert cuda_report._parse_mangled("_ZN15fused_attn_cuda19flash_decode_kernelI13__nv_bfloat16Li128ELi16EEEvNS_"
+                                      "12DecodeParamsE") == ("decode", "__nv_bfloat16", 128, 16)
+    assert cuda_report._parse_mangled("_ZN15fused_attn_cuda27flash_decode_combine_kernelIfEEvNS_13CombineParamsE") \
+        == ("decode_combine", "float", None, None)
+    row = cuda_report._row("sm_80", ("forward", "__half", 64, None),
                            {"block_m": 64, "block_n": 64, "threads": 128, "dynamic_shared_bytes": 70000},
                            usage[name], {})
     assert not row["fits"] and row["shared_bytes"] == 71024

@@ -10,6 +10,7 @@ With a GPU (`cuda`): the same cases through `fused_attn.attention(..., backend="
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -99,7 +100,14 @@ VARIANT_CASES = {
                        key_padding=True, dropout_p=0.2, lse_grad=True, dim_qk=20),
     "window_hides_rows": Case(len_q=40, len_k=30, window=(0, 0), hidden_rows=True, mask="bool", key_padding=True),
 }
-ALL_CASES = {**CASES, **LARGE_HEAD_CASES, **TRAINING_CASES, **VARIANT_CASES}
+# Few query rows: the forward runs the split-KV decode kernels (a GQA group's G · L_q rows in one tile
+# of 16 or 64, keys split by the SM count: 4 in the emulation, 2 splits from 512 keys on).
+DECODE_CASES = {
+    **testing.DECODE_CASES,
+    "group_of_64_rows_head_128": Case(batch=1, heads_q=8, heads_kv=2, len_q=16, len_k=200, window=(20, 150),
+                                      dim_qk=100, dim_v=72, scale=0.3),
+}
+ALL_CASES = {**CASES, **LARGE_HEAD_CASES, **TRAINING_CASES, **VARIANT_CASES, **DECODE_CASES}
 # Rotations of the tensor layouts: two by default, the other three marked slow.
 # Every dtype with rotations 0 and 2; fp16 also with the other three, so that every tensor meets
 # every layout.
@@ -128,6 +136,15 @@ class EmulatedBackend:
 def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
     """Forward and backward through the emulated host glue, into the inputs' NaN-poisoned output."""
     return testing.run_backend(EmulatedBackend(module), inputs)
+
+
+def run_emulated_forward(module, inputs: testing.Inputs) -> testing.Results:
+    """The forward alone (output and lse), into the inputs' NaN-poisoned output."""
+    case = inputs.case
+    lse = EmulatedBackend(module).forward(inputs.query, inputs.key, inputs.value, inputs.mask_view(),
+                                          inputs.key_padding_mask, case.is_causal, case.softmax_scale, inputs.out,
+                                          inputs.dropout(), inputs.variant())
+    return testing.Results(inputs.out, lse)
 
 
 # ---- emulated on the CPU ---------------------------------------------------------------------------
@@ -196,6 +213,68 @@ def test_emulated_many_tiles(emulated, dtype, generator):
                 mask_shape="2d", mask_layout="transposed", key_padding=True, lse_grad=True, scale=0.125)
     inputs = testing.random_inputs(case, dtype, 3, generator)
     testing.check_inputs(run_emulated(emulated, inputs), inputs)
+
+
+# Every case with every dtype at the split count of the problem; with three forced splits (uneven, some
+# empty under a window or padding) in one dtype each.
+DECODE_RUNS = [pytest.param(name, dtype, None, id=f"{name}-{str(dtype).removeprefix('torch.')}")
+               for name in DECODE_CASES for dtype in DTYPES]
+DECODE_RUNS += [pytest.param(name, DTYPES[i % len(DTYPES)], "3", id=f"{name}-{str(DTYPES[i % len(DTYPES)])[6:]}-3")
+                for i, name in enumerate(DECODE_CASES)]
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("name,dtype,splits", DECODE_RUNS)
+def test_emulated_decode_kernels_match_reference(emulated, name, dtype, splits, generator, monkeypatch):
+    """The split-KV forward (the backward runs the long-query kernels, tested above) in each case's own
+    rotation of the layouts."""
+    if splits is not None:
+        monkeypatch.setenv("FUSED_ATTN_CUDA_DECODE_SPLITS", splits)
+    inputs = testing.random_inputs(DECODE_CASES[name], dtype, list(DECODE_CASES).index(name) % len(LAYOUTS),
+                                   generator)
+    expected = 3 if splits else (2 if inputs.key.shape[2] >= 512 else 1)
+    assert emulated.decode_splits(inputs.query, inputs.key, inputs.value) == expected
+    testing.check_inputs(run_emulated_forward(emulated, inputs), inputs)
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_backward_takes_the_decode_forward(emulated, generator):
+    """Forward (decode kernels, split) and backward (long-query kernels) with a gradient into the lse."""
+    case = dataclasses.replace(DECODE_CASES["one_query_padding_softcap"], batch=1, lse_grad=True, len_k=520)
+    inputs = testing.random_inputs(case, torch.float16, 1, generator)
+    assert emulated.decode_splits(inputs.query, inputs.key, inputs.value) == 2
+    testing.check_inputs(run_emulated(emulated, inputs), inputs)
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_decode_selection_and_split_count(emulated, monkeypatch):
+    """As triton_decode's: L_q <= 16, G · L_q <= 64, head dims <= 128, keys, no dropout; splits doubled
+    while the blocks are fewer than two per SM (4 here) and each split keeps 256 keys."""
+    def splits(batch, heads_q, heads_kv, len_q, len_k, dim=16, dropout_p=0.0):
+        q = torch.empty(batch, heads_q, len_q, dim)
+        k = torch.empty(batch, heads_kv, len_k, dim)
+        rng = torch.tensor([1, 2]) if dropout_p else None
+        return emulated.decode_splits(q, k, k, dropout_p, rng)
+
+    assert splits(1, 1, 1, 1, 4096) == 8  # 1 block -> 2 per SM, keys allow it
+    assert splits(1, 1, 1, 1, 300) == 1   # too few keys to split
+    assert splits(8, 1, 1, 1, 8192) == 1  # enough blocks already
+    assert splits(1, 8, 8, 16, 40) == 1 and splits(1, 8, 2, 16, 40) == 1  # 64 rows
+    assert splits(1, 8, 8, 17, 40) == 0   # more than 16 queries
+    assert splits(1, 32, 1, 4, 40) == 0   # 128 rows in the group
+    assert splits(1, 8, 8, 1, 40, dim=256) == 0
+    assert splits(1, 8, 8, 1, 0) == 0     # no keys
+    assert splits(1, 8, 8, 1, 40, dropout_p=0.1) == 0
+    monkeypatch.setenv("FUSED_ATTN_CUDA_DECODE", "0")
+    assert splits(1, 1, 1, 1, 4096) == 0
+    monkeypatch.delenv("FUSED_ATTN_CUDA_DECODE")
+    monkeypatch.setenv("FUSED_ATTN_CUDA_DECODE_SPLITS", "5")
+    assert splits(1, 1, 1, 1, 4096) == 5
+    assert splits(1, 1, 1, 1, 3) == 3  # at most one split per key
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("FUSED_ATTN_CUDA_DECODE_SPLITS", bad)
+        with pytest.raises(RuntimeError, match="FUSED_ATTN_CUDA_DECODE_SPLITS: expected a positive integer"):
+            splits(1, 1, 1, 1, 4096)
 
 
 @pytest.mark.emulated_cuda
@@ -305,7 +384,7 @@ def test_emulated_glue_rejects_bad_backward_arguments(emulated):
 @pytest.mark.emulated_cuda
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
-    """Every kernel, forward and backward, with ThreadSanitizer (shared-memory races: a missing
+    """Every kernel, forward, backward and decode, with ThreadSanitizer (shared-memory races: a missing
     __syncthreads) or AddressSanitizer + UBSan (out-of-bounds accesses, undefined behaviour)."""
     import subprocess
 
@@ -318,7 +397,7 @@ def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
         pytest.skip(f"{sanitizer} sanitizer cannot start here: {done.stderr.strip()[:200]}")
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
     assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, done.stderr[-8000:]
-    assert done.stdout.count(": ok") == 4, done.stdout
+    assert done.stdout.count(": ok") == 6, done.stdout
 
 
 # ---- the backend's registration -------------------------------------------------------------------

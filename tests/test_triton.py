@@ -179,17 +179,7 @@ def test_score_variants_match_reference(name, dtype, rotation, generator):
 
 
 # Few query rows: the split-KV decode kernels (fused_attn.backends.triton_decode) run the forward.
-DECODE_CASES = {
-    "one_query_gqa": Case(len_q=1, len_k=700, heads_q=8, heads_kv=2, batch=1),
-    "one_query_padding_softcap": Case(len_q=1, len_k=333, key_padding=True, softcap=3.0, alibi="batch"),
-    "few_queries_bottom_right_window": Case(len_q=5, len_k=600, heads_q=4, heads_kv=1, is_causal=True,
-                                            causal_alignment="bottom_right", window=(300, 0), alibi="heads"),
-    "queries_over_keys_masks": Case(len_q=16, len_k=9, heads_q=4, heads_kv=4, is_causal=True,
-                                    causal_alignment="bottom_right", mask="additive", mask_shape="heads_keys",
-                                    hidden_rows=True, lse_grad=True),
-    "bool_mask_mqa_odd_dims": Case(len_q=3, len_k=280, heads_q=6, heads_kv=1, mask="bool", dim_qk=40, dim_v=24,
-                                   key_padding=True),
-}
+DECODE_CASES = testing.DECODE_CASES
 
 
 @pytest.mark.parametrize("splits", [None, "3"])

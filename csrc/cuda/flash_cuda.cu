@@ -17,6 +17,9 @@ namespace {
 struct CudaLaunch {
   cudaStream_t stream;
   int max_shared_bytes;
+  int multiprocessor_count;
+
+  int multiprocessors() const { return multiprocessor_count; }
 
   template <typename Params>
   void operator()(void (*kernel)(Params), const LaunchShape& shape, const Params& params) const {
@@ -54,14 +57,15 @@ void check_attention_devices(const at::Tensor& query, const at::Tensor& key, con
 
 CudaLaunch launcher_for(const at::Tensor& query) {
   const int device = query.get_device();
-  int major = 0, max_shared_bytes = 0;
+  int major = 0, max_shared_bytes = 0, multiprocessors = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_shared_bytes,
                                         cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
   // bf16 WMMA fragments and the shared-memory budget need sm_80 or newer.
   TORCH_CHECK(major >= 8, "fused_attn cuda: needs compute capability 8.0 or newer, device ",
               device, " has ", major, ".x");
-  return CudaLaunch{c10::cuda::getCurrentCUDAStream(device).stream(), max_shared_bytes};
+  return CudaLaunch{c10::cuda::getCurrentCUDAStream(device).stream(), max_shared_bytes, multiprocessors};
 }
 
 at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -2,7 +2,9 @@
 // the tests (tests/emulation/flash_emulated.cpp): every TORCH_CHECK on the arguments, the kernel
 // parameters taken from the tensors, the choice of template instance and the launch shapes. How a
 // kernel is launched is the caller's `launch(kernel, LaunchShape, params)`; devices are checked by
-// the caller too (CUDA tensors there, CPU tensors in the emulation).
+// the caller too (CUDA tensors there, CPU tensors in the emulation), and so is
+// `launch.multiprocessors()`, the SM count the decode kernels' split count follows (the device's, or
+// a fixed count in the emulation).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -11,8 +13,10 @@
 #include <climits>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -57,6 +61,23 @@ void dispatch_instance(at::ScalarType dtype, int64_t head_dim, Fn&& fn) {
   TORCH_CHECK(false, "fused_attn cuda: no kernel for dtype ", dtype, " and head dim ", head_dim);
 }
 
+// Calls fn(TypeTag<T>{}, std::integral_constant<int, HEAD>{}, std::integral_constant<int, BM>{}) with
+// the decode instance that serves `dtype`, a largest head dim of `head_dim` and a GQA group of
+// `rows` query rows (takes_decode has checked that one does).
+template <typename Fn>
+void dispatch_decode_instance(at::ScalarType dtype, int64_t head_dim, int64_t rows, Fn&& fn) {
+  const int head = head_dim <= kDecodeMaxHeadDim ? padded_head_dim(static_cast<int>(head_dim)) : 0;
+  const int block_m = decode_block_m(static_cast<int>(rows));
+#define FUSED_ATTN_CUDA_DISPATCH(T, D, BM)                                                            \
+  if (dtype == ScalarTypeOf<T>::value && head == D && block_m == BM) {                                \
+    fn(TypeTag<T>{}, std::integral_constant<int, D>{}, std::integral_constant<int, BM>{});            \
+    return;                                                                                           \
+  }
+  FUSED_ATTN_CUDA_FOR_EACH_DECODE_INSTANCE(FUSED_ATTN_CUDA_DISPATCH)
+#undef FUSED_ATTN_CUDA_DISPATCH
+  TORCH_CHECK(false, "fused_attn cuda: no decode kernel for dtype ", dtype, ", head dim ", head_dim, " and ",
+              rows, " rows");
+}
 
 inline void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected) {
   TORCH_CHECK(t.sizes() == expected, "fused_attn cuda: ", name, " must have shape ", expected,
@@ -229,6 +250,79 @@ inline void check_like_output(const at::Tensor& t, const char* name, const at::T
               " must have query's dtype ", query.scalar_type(), ", got ", t.scalar_type());
 }
 
+// ---- split-KV decode ---------------------------------------------------------------------------
+
+// FUSED_ATTN_CUDA_DECODE=0 runs every forward on the long-query kernel.
+inline bool decode_enabled() {
+  const char* setting = std::getenv("FUSED_ATTN_CUDA_DECODE");
+  return setting == nullptr || std::string(setting) != "0";
+}
+
+// Whether a forward call runs the decode kernels: few query rows per key/value head, head dims up to
+// kDecodeMaxHeadDim, keys to attend to, no dropout.
+inline bool takes_decode(const AttentionParams& p) {
+  return decode_enabled() && p.dropout_rng == nullptr && p.len_q > 0 && p.len_q <= kDecodeMaxQueries &&
+         static_cast<int64_t>(p.group) * p.len_q <= kDecodeMaxRows && p.len_k > 0 &&
+         std::max(p.dim_qk, p.dim_v) <= kDecodeMaxHeadDim;
+}
+
+// Splits of the keys: doubled while the blocks are fewer than two per SM and each split keeps at least
+// kDecodeMinKeysPerSplit keys. FUSED_ATTN_CUDA_DECODE_SPLITS overrides it (at most one split per key).
+inline int decode_split_count(const AttentionParams& p, int multiprocessors) {
+  if (const char* forced = std::getenv("FUSED_ATTN_CUDA_DECODE_SPLITS"); forced != nullptr && *forced != '\0') {
+    const std::string text(forced);
+    const bool digits = text.size() <= 9 && text.find_first_not_of("0123456789") == std::string::npos;
+    TORCH_CHECK(digits && std::stoi(text) >= 1, "fused_attn cuda: FUSED_ATTN_CUDA_DECODE_SPLITS: expected a "
+                "positive integer, got '", text, "'");
+    return std::min(std::stoi(text), std::max(1, p.len_k));
+  }
+  const int64_t blocks = static_cast<int64_t>(p.batch) * p.heads_kv;
+  int splits = 1;
+  while (blocks * splits < 2 * static_cast<int64_t>(multiprocessors) &&
+         p.len_k / (2 * splits) >= kDecodeMinKeysPerSplit)
+    splits *= 2;
+  return splits;
+}
+
+// The decode and combine kernels of forward `params` (takes_decode): out and lse (B, H_q, L_q) through
+// an fp32 workspace of the splits' outputs. `launch.multiprocessors()` is the device's SM count.
+template <typename Launch>
+void flash_decode(const ForwardParams& forward, at::ScalarType dtype, const at::TensorOptions& options,
+                  const Launch& launch) {
+  const AttentionParams& p = forward.attn;
+  const int rows = p.group * p.len_q;
+  DecodeParams params{};
+  params.attn = p;
+  params.splits = decode_split_count(p, launch.multiprocessors());
+  const at::Tensor part_out =
+      at::empty({p.batch, p.heads_kv, params.splits, rows, p.dim_v}, options.dtype(at::kFloat));
+  const at::Tensor part_lse = at::empty({p.batch, p.heads_kv, params.splits, rows}, options.dtype(at::kFloat));
+  params.part_out = part_out.data_ptr<float>();
+  params.part_lse = part_lse.data_ptr<float>();
+
+  CombineParams combine{};
+  combine.part_out = params.part_out;
+  combine.part_lse = params.part_lse;
+  combine.out = forward.out;
+  std::copy(forward.out_stride, forward.out_stride + 4, combine.out_stride);
+  combine.lse = forward.lse;
+  combine.batch = p.batch;
+  combine.heads_q = p.heads_q;
+  combine.heads_kv = p.heads_kv;
+  combine.group = p.group;
+  combine.len_q = p.len_q;
+  combine.dim_v = p.dim_v;
+  combine.splits = params.splits;
+  dispatch_decode_instance(dtype, std::max(p.dim_qk, p.dim_v), rows, [&](auto type, auto head, auto block_m) {
+    using T = typename decltype(type)::type;
+    constexpr int HEAD = decltype(head)::value, BM = decltype(block_m)::value;
+    params.keys_per_split = decode_keys_per_split(p.len_k, params.splits, DecodeConfig<T, HEAD, BM>::block_n);
+    launch(&flash_decode_kernel<T, HEAD, BM>, decode_shape<T, HEAD, BM>(p, params.splits), params);
+    launch(&flash_decode_combine_kernel<T>, one_warp_per_row(static_cast<int64_t>(p.batch) * p.heads_q * p.len_q),
+           combine);
+  });
+}
+
 // Writes softmax(scale · Q Kᵀ + masks) V into `out` and returns the log-sum-exp (B, H_q, L_q).
 template <typename Launch>
 at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -252,6 +346,10 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   params.out = out.data_ptr();
   copy_strides(out, params.out_stride);
   params.lse = lse.data_ptr<float>();
+  if (takes_decode(p)) {
+    flash_decode(params, query.scalar_type(), query.options(), launch);
+    return lse;
+  }
   dispatch_instance(query.scalar_type(), std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
     using T = typename decltype(type)::type;
     constexpr int HEAD = decltype(head)::value;
@@ -348,7 +446,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
       delta_params.heads = p.heads_q;
       delta_params.len_q = p.len_q;
       delta_params.dim_v = p.dim_v;
-      launch(&flash_backward_delta_kernel<T>, backward_delta_shape(rows), delta_params);
+      launch(&flash_backward_delta_kernel<T>, one_warp_per_row(rows), delta_params);
       launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(p), params);
     }
     // Also without query rows: every key then gets a zero gradient.

@@ -12,6 +12,12 @@
 // block looping over the key blocks; delta = rowsum(dO * O) - grad_lse comes from a third. The
 // gradient of an additive mask, dS, is written by the dK/dV kernel, each element once.
 //
+// Forward calls with few query rows (generation steps: L_q <= 16) run split-KV ("flash-decoding")
+// kernels instead: one block per (batch, key/value head, split of the keys) takes the rows of the
+// whole GQA group in one tile, so each K/V block is read once per group, and writes the split's
+// normalised output and log-sum-exp into an fp32 workspace; a combine kernel merges the splits by
+// their log-sum-exps. The split count comes from the problem and the SM count (flash_dispatch.h).
+//
 // Dropout and the mask gradient are runtime arguments, as causal masking is: every instance carries
 // them, so the compile report (bench/cuda_report.py) covers them. Dropout regenerates csrc/dropout.h's
 // stream, one Philox block per thread and four consecutive keys, in the forward and in both backward
@@ -74,6 +80,25 @@ constexpr int padded_head_dim(int dim) {
   return dim <= 32 ? 32 : dim <= 64 ? 64 : dim <= 128 ? 128 : dim <= 256 ? 256 : 0;
 }
 
+// The split-KV decode kernels (flash_decode_kernel) serve forward calls of up to kDecodeMaxQueries
+// query rows whose GQA group's rows, G · L_q, fit a tile of kDecodeMaxRows, at head dims up to
+// kDecodeMaxHeadDim, without dropout. Their instances: the element types and head dims above, each
+// with a tile of 16 or 64 rows (decode_block_m).
+constexpr int kDecodeMaxQueries = 16, kDecodeMaxRows = 64, kDecodeMaxHeadDim = 128;
+// Keys are split while each split keeps at least this many (and the blocks are fewer than two per SM).
+constexpr int kDecodeMinKeysPerSplit = 256;
+
+#define FUSED_ATTN_CUDA_DECODE_TILES(X, T, D) X(T, D, 16) X(T, D, 64)
+#define FUSED_ATTN_CUDA_FOR_EACH_DECODE_INSTANCE(X)                                                   \
+  FUSED_ATTN_CUDA_DECODE_TILES(X, __half, 32) FUSED_ATTN_CUDA_DECODE_TILES(X, __half, 64)             \
+  FUSED_ATTN_CUDA_DECODE_TILES(X, __half, 128) FUSED_ATTN_CUDA_DECODE_TILES(X, __nv_bfloat16, 32)     \
+  FUSED_ATTN_CUDA_DECODE_TILES(X, __nv_bfloat16, 64) FUSED_ATTN_CUDA_DECODE_TILES(X, __nv_bfloat16, 128) \
+  FUSED_ATTN_CUDA_DECODE_TILES(X, float, 32) FUSED_ATTN_CUDA_DECODE_TILES(X, float, 64)               \
+  FUSED_ATTN_CUDA_DECODE_TILES(X, float, 128)
+
+// The tile rows of the decode instance serving a GQA group of `rows` query rows.
+constexpr int decode_block_m(int rows) { return rows <= 16 ? 16 : 64; }
+
 enum MaskKind : int { kNoMask = 0, kBoolMask = 1, kAdditiveMask = 2 };
 
 // What every kernel reads: the problem of fused_attn/problem.py, strides in elements.
@@ -128,6 +153,25 @@ struct BackwardParams {
   int64_t grad_v_stride[4];
   void* grad_mask;  // (B, H_q, L_q, L_k) of the element type, zero-filled, or null: dS is written here
   int64_t grad_mask_stride[4];
+};
+
+// The split-KV decode: each (batch, key/value head, split of the keys) block writes its normalised
+// partial output and log-sum-exp for the G · L_q rows of its query group (row r: query r % L_q of
+// query head h_kv · G + r / L_q); the combine kernel merges the splits into `out` and `lse`.
+struct DecodeParams {
+  AttentionParams attn;
+  float* part_out;  // (B, H_kv, splits, G · L_q, D_v), contiguous
+  float* part_lse;  // (B, H_kv, splits, G · L_q), contiguous; -inf where the split saw no key
+  int splits, keys_per_split;  // split s holds keys [s · keys_per_split, (s + 1) · keys_per_split)
+};
+
+struct CombineParams {
+  const float* part_out;  // as DecodeParams
+  const float* part_lse;
+  void* out;  // (B, H_q, L_q, D_v)
+  int64_t out_stride[4];
+  float* lse;  // (B, H_q, L_q), contiguous
+  int batch, heads_q, heads_kv, group, len_q, dim_v, splits;
 };
 
 struct DeltaParams {
@@ -241,6 +285,23 @@ struct Config {
   static_assert(kThreads % block_m == 0 && kThreads / block_m <= 32, "row groups must fit a warp");
   static_assert(HEAD % 16 == 0 && block_m % 16 == 0, "tiles are made of 16x16 fragments");
   static_assert(block_n % 4 == 0, "a thread's Philox block covers four consecutive keys");
+};
+
+// The decode tile: BM query rows (a GQA group's, padded) and the forward's buffers, with the most
+// keys per block of 64, 32, 16 that fit the budget.
+__host__ __device__ constexpr int decode_block_n(int element_bytes, int head, int bm) {
+  return forward_shared_bytes(element_bytes, head, bm, 64) <= kMaxSharedBytes   ? 64
+         : forward_shared_bytes(element_bytes, head, bm, 32) <= kMaxSharedBytes ? 32
+                                                                               : 16;
+}
+
+template <typename T, int HEAD, int BM>
+struct DecodeConfig {
+  static constexpr int block_m = BM;
+  static constexpr int block_n = decode_block_n(sizeof(T), HEAD, BM);
+  static constexpr int shared_bytes = forward_shared_bytes(sizeof(T), HEAD, BM, block_n);
+  static_assert(shared_bytes <= kMaxSharedBytes, "no decode tile fits the shared-memory budget");
+  static_assert(kThreads % BM == 0 && kThreads / BM <= 32 && BM % 16 == 0, "rows as in the forward");
 };
 
 // ---- small device helpers ---------------------------------------------------------------------
@@ -400,15 +461,16 @@ __device__ __forceinline__ float final_score(const AttentionParams& p, float s, 
   return s;
 }
 
-// The key blocks (of BN keys) rows m0 .. m0 + BM - 1 see through the band: [begin, end).
+// The key blocks (of BN keys) queries first_row .. last_row see through the band: [begin, end).
 // Within the span of keys of batch row b that its padding leaves; begin stays a multiple of BN.
-template <int BM, int BN>
-__device__ __forceinline__ void key_blocks_of(const AttentionParams& p, int b, int m0, int& begin, int& end) {
+template <int BN>
+__device__ __forceinline__ void key_blocks_of(const AttentionParams& p, int b, int first_row, int last_row,
+                                              int& begin, int& end) {
   begin = 0;
   end = p.len_k;
   if (p.banded) {
-    begin = max_int(0, m0 + p.diagonal - p.window_left) / BN * BN;
-    end = max_int(0, min_int(p.len_k, m0 + BM - 1 + p.diagonal + p.window_right + 1));
+    begin = max_int(0, first_row + p.diagonal - p.window_left) / BN * BN;
+    end = max_int(0, min_int(p.len_k, last_row + p.diagonal + p.window_right + 1));
   }
   if (p.key_spans != nullptr) {
     begin = max_int(begin, p.key_spans[2 * b] / BN * BN);
@@ -422,8 +484,10 @@ struct DropoutStream {
   bool enabled;
   uint32_t key0, key1, offset, threshold;
 
+  static __device__ __forceinline__ DropoutStream none() { return {false, 0, 0, 0, 0}; }
+
   static __device__ __forceinline__ DropoutStream of(const AttentionParams& p) {
-    if (p.dropout_rng == nullptr) return {false, 0, 0, 0, 0};
+    if (p.dropout_rng == nullptr) return none();
     const uint64_t seed = static_cast<uint64_t>(p.dropout_rng[0]);
     return {true, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
             static_cast<uint32_t>(static_cast<uint64_t>(p.dropout_rng[1])), p.drop_threshold};
@@ -443,45 +507,55 @@ struct DropoutStream {
 
 // ---- forward ----------------------------------------------------------------------------------
 
-template <typename T, int HEAD>
-__global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const ForwardParams params) {
-  using Cfg = Config<kForwardKernel, T, HEAD>;
-  constexpr int BM = Cfg::block_m, BN = Cfg::block_n, LANES = kThreads / BM;
-  constexpr int LD = pitch(HEAD), LDS = pitch_f32(BN), LDP = pitch(BN), LDO = pitch_f32(HEAD);
-  const AttentionParams& p = params.attn;
-  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+// The shared memory of a forward tile of BM query rows against blocks of BN keys, carved in the
+// order of forward_shared_bytes: the long-query forward and the decode kernel use the same.
+template <typename T, int HEAD, int BM, int BN>
+struct ForwardTiles {
+  static constexpr int LD = pitch(HEAD), LDS = pitch_f32(BN), LDP = pitch(BN), LDO = pitch_f32(HEAD);
+  static constexpr int LANES = kThreads / BM;  // consecutive threads of one warp sharing a row
+  T* q;
+  T* k;
+  T* v;
+  float* s;
+  T* p;
+  float* o;         // the output accumulator
+  float* inv_sum;   // per row: what the accumulator is multiplied by when stored
 
-  SharedCarver shared{dynamic_shared_memory()};
-  T* q_s = shared.take<T>(BM, LD);
-  T* k_s = shared.take<T>(BN, LD);
-  T* v_s = shared.take<T>(BN, LD);
-  float* s_s = shared.take<float>(BM, LDS);
-  T* p_s = shared.take<T>(BM, LDP);
-  float* o_s = shared.take<float>(BM, LDO);
-  float* inv_sum_s = shared.take<float>(BM, 1);
+  __device__ __forceinline__ explicit ForwardTiles(unsigned char* memory) {
+    SharedCarver shared{memory};
+    q = shared.take<T>(BM, LD);
+    k = shared.take<T>(BN, LD);
+    v = shared.take<T>(BN, LD);
+    s = shared.take<float>(BM, LDS);
+    p = shared.take<T>(BM, LDP);
+    o = shared.take<float>(BM, LDO);
+    inv_sum = shared.take<float>(BM, 1);
+  }
+};
 
-  const T* q = head_of<const T>(p.q, p.q_stride, b, h);
-  const T* k = head_of<const T>(p.k, p.k_stride, b, h_kv);
-  const T* v = head_of<const T>(p.v, p.v_stride, b, h_kv);
-  load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
-  fill_f32(o_s, BM * LDO, 0.0f);
-
-  // LANES consecutive threads of one warp share a row and its running max and sum.
-  const int row = threadIdx.x / LANES, lane = threadIdx.x % LANES, i = m0 + row;
-  const DropoutStream dropout = DropoutStream::of(p);
+// The online softmax of the BM query rows staged in tiles.q over the key blocks [n_begin, n_end) of
+// key/value head (k, v): O (tiles.o, zeroed by the caller) accumulates the unnormalised output. The
+// calling thread's row of the tile is query i of query head h (i >= len_q: no query, every score
+// -inf); its running max and sum come back in row_max and row_sum, the sum of the undropped weights.
+template <typename T, int HEAD, int BM, int BN>
+__device__ __forceinline__ void attend_key_blocks(const AttentionParams& p, const ForwardTiles<T, HEAD, BM, BN>& tiles,
+                                                  const T* k, const T* v, int b, int h, int i, int n_begin,
+                                                  int n_end, const DropoutStream& dropout, float& row_max,
+                                                  float& row_sum) {
+  using Tiles = ForwardTiles<T, HEAD, BM, BN>;
+  constexpr int LD = Tiles::LD, LDS = Tiles::LDS, LDP = Tiles::LDP, LDO = Tiles::LDO, LANES = Tiles::LANES;
+  const int row = threadIdx.x / LANES, lane = threadIdx.x % LANES;
   const int batch_head = b * p.heads_q + h;
-  float row_max = -INFINITY, row_sum = 0.0f;
-  // Key blocks wholly outside the band of these rows are skipped.
-  int n_begin, n_end;
-  key_blocks_of<BM, BN>(p, b, m0, n_begin, n_end);
+  row_max = -INFINITY;
+  row_sum = 0.0f;
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
-    load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
-    load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
+    load_tile<T, BN, HEAD>(tiles.k, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
+    load_tile<T, BN, HEAD>(tiles.v, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
     __syncthreads();
-    block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);  // S = Q Kᵀ
+    block_gemm<T, BM, BN, HEAD, false, true, false>(tiles.q, LD, tiles.k, LD, tiles.s, LDS);  // S = Q Kᵀ
     __syncthreads();
 
-    float* s_row = s_s + row * LDS;
+    float* s_row = tiles.s + row * LDS;
     float tile_max = -INFINITY;
     for (int j = lane; j < BN; j += LANES) {
       const float s = final_score<T>(p, s_row[j] * p.scale, b, h, i, n0 + j);
@@ -502,20 +576,43 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
       for (int c = 0; c < 4; ++c) {
         const float probability = expf(s_row[j4 + c] - reference);
         tile_sum += probability;
-        p_s[row * LDP + j4 + c] = Element<T>::store(kept >> c & 1u ? probability : 0.0f);
+        tiles.p[row * LDP + j4 + c] = Element<T>::store(kept >> c & 1u ? probability : 0.0f);
       }
     }
     row_sum = row_sum * rescale + group_sum<LANES>(tile_sum);
     row_max = new_max;
-    for (int d = lane; d < HEAD; d += LANES) o_s[row * LDO + d] *= rescale;
+    for (int d = lane; d < HEAD; d += LANES) tiles.o[row * LDO + d] *= rescale;
     __syncthreads();
-    block_gemm<T, BM, HEAD, BN, false, false, true>(p_s, LDP, v_s, LD, o_s, LDO);  // O += P V
+    block_gemm<T, BM, HEAD, BN, false, false, true>(tiles.p, LDP, tiles.v, LD, tiles.o, LDO);  // O += P V
     __syncthreads();
   }
+}
+
+template <typename T, int HEAD>
+__global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const ForwardParams params) {
+  using Cfg = Config<kForwardKernel, T, HEAD>;
+  constexpr int BM = Cfg::block_m, BN = Cfg::block_n;
+  using Tiles = ForwardTiles<T, HEAD, BM, BN>;
+  const AttentionParams& p = params.attn;
+  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+
+  const Tiles tiles(dynamic_shared_memory());
+  const T* q = head_of<const T>(p.q, p.q_stride, b, h);
+  load_tile<T, BM, HEAD>(tiles.q, Tiles::LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
+  fill_f32(tiles.o, BM * Tiles::LDO, 0.0f);
+
+  const int row = threadIdx.x / Tiles::LANES, lane = threadIdx.x % Tiles::LANES, i = m0 + row;
+  // Key blocks wholly outside the band of these rows are skipped.
+  int n_begin, n_end;
+  key_blocks_of<BN>(p, b, m0, m0 + BM - 1, n_begin, n_end);
+  float row_max, row_sum;
+  attend_key_blocks<T, HEAD, BM, BN>(p, tiles, head_of<const T>(p.k, p.k_stride, b, h_kv),
+                                     head_of<const T>(p.v, p.v_stride, b, h_kv), b, h, i, n_begin, n_end,
+                                     DropoutStream::of(p), row_max, row_sum);
 
   // A row that saw no key: output 0, log-sum-exp -inf.
   if (lane == 0) {
-    inv_sum_s[row] = row_sum > 0.0f ? p.keep_scale / row_sum : 0.0f;
+    tiles.inv_sum[row] = row_sum > 0.0f ? p.keep_scale / row_sum : 0.0f;
     if (i < p.len_q)
       params.lse[(static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i] =
           row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
@@ -526,8 +623,93 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
     const int r = e / HEAD, d = e % HEAD;
     if (m0 + r < p.len_q && d < p.dim_v)
       out[(m0 + r) * params.out_stride[2] + d * params.out_stride[3]] =
-          Element<T>::store(o_s[r * LDO + d] * inv_sum_s[r]);
+          Element<T>::store(tiles.o[r * Tiles::LDO + d] * tiles.inv_sum[r]);
   }
+}
+
+// ---- split-KV decode ---------------------------------------------------------------------------
+
+// One split of the keys for the query group of key/value head h_kv: all G · L_q rows in one tile, so
+// each K/V block is read once for the group. Writes the split's normalised output and log-sum-exp.
+template <typename T, int HEAD, int BM>
+__global__ void __launch_bounds__(kThreads, 1) flash_decode_kernel(const DecodeParams params) {
+  constexpr int BN = DecodeConfig<T, HEAD, BM>::block_n;
+  using Tiles = ForwardTiles<T, HEAD, BM, BN>;
+  const AttentionParams& p = params.attn;
+  const int split = blockIdx.x, h_kv = blockIdx.y, b = blockIdx.z, rows = p.group * p.len_q;
+
+  const Tiles tiles(dynamic_shared_memory());
+  // Row r of the tile is query r % L_q of query head h_kv * G + r / L_q; rows past the group's are 0.
+  for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
+    const int r = e / HEAD, d = e % HEAD;
+    T value = Element<T>::store(0.0f);
+    if (r < rows && d < p.dim_qk)
+      value = head_of<const T>(p.q, p.q_stride, b, h_kv * p.group + r / p.len_q)[(r % p.len_q) * p.q_stride[2] +
+                                                                                 d * p.q_stride[3]];
+    tiles.q[r * Tiles::LD + d] = value;
+  }
+  fill_f32(tiles.o, BM * Tiles::LDO, 0.0f);
+
+  const int row = threadIdx.x / Tiles::LANES, lane = threadIdx.x % Tiles::LANES;
+  const bool has_row = row < rows;
+  const int h = h_kv * p.group + (has_row ? row / p.len_q : 0), i = has_row ? row % p.len_q : p.len_q;
+  // The keys of this split that any of the L_q queries sees.
+  int n_begin, n_end;
+  key_blocks_of<BN>(p, b, 0, p.len_q - 1, n_begin, n_end);
+  n_begin = max_int(n_begin, split * params.keys_per_split);
+  n_end = min_int(n_end, (split + 1) * params.keys_per_split);
+  float row_max, row_sum;
+  attend_key_blocks<T, HEAD, BM, BN>(p, tiles, head_of<const T>(p.k, p.k_stride, b, h_kv),
+                                     head_of<const T>(p.v, p.v_stride, b, h_kv), b, h, i, n_begin, n_end,
+                                     DropoutStream::none(), row_max, row_sum);
+
+  const int64_t part = (static_cast<int64_t>(b) * p.heads_kv + h_kv) * params.splits + split;
+  if (lane == 0) {
+    tiles.inv_sum[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    if (has_row) params.part_lse[part * rows + row] = row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
+  }
+  __syncthreads();
+  float* part_out = params.part_out + part * rows * p.dim_v;
+  for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
+    const int r = e / HEAD, d = e % HEAD;
+    if (r < rows && d < p.dim_v) part_out[r * p.dim_v + d] = tiles.o[r * Tiles::LDO + d] * tiles.inv_sum[r];
+  }
+}
+
+// One warp per query row (b, h, i): the splits' outputs weighted by exp(lse_s - max) / sum (0 for a
+// split that saw no key); the row's log-sum-exp max + log(sum), -inf when no split saw a key.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) flash_decode_combine_kernel(const CombineParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= static_cast<int64_t>(p.batch) * p.heads_q * p.len_q) return;  // the whole warp leaves together
+  const int i = static_cast<int>(row % p.len_q);
+  const int h = static_cast<int>(row / p.len_q % p.heads_q);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.len_q) * p.heads_q));
+  const int rows = p.group * p.len_q;
+  // Split s of this row: part_lse[first + s * rows], part_out[(first + s * rows) * D_v + d].
+  const int64_t first = (static_cast<int64_t>(b) * p.heads_kv + h / p.group) * p.splits * rows +
+                        (h % p.group) * p.len_q + i;
+  float largest = -INFINITY;
+  for (int s = lane; s < p.splits; s += 32)
+    largest = fmaxf(largest, p.part_lse[first + static_cast<int64_t>(s) * rows]);
+  largest = group_max<32>(largest);
+  const float reference = largest == -INFINITY ? 0.0f : largest;
+  float total = 0.0f;
+  for (int s = lane; s < p.splits; s += 32)
+    total += expf(p.part_lse[first + static_cast<int64_t>(s) * rows] - reference);
+  total = group_sum<32>(total);
+  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+  T* out = head_of<T>(p.out, p.out_stride, b, h) + i * p.out_stride[2];
+  for (int d = lane; d < p.dim_v; d += 32) {
+    float sum = 0.0f;
+    for (int s = 0; s < p.splits; ++s) {
+      const int64_t part = first + static_cast<int64_t>(s) * rows;
+      sum = fmaf(expf(p.part_lse[part] - reference), p.part_out[part * p.dim_v + d], sum);
+    }
+    out[d * p.out_stride[3]] = Element<T>::store(sum * inv_total);
+  }
+  if (lane == 0) p.lse[row] = total > 0.0f ? reference + logf(total) : -INFINITY;
 }
 
 // ---- backward ---------------------------------------------------------------------------------
@@ -726,7 +908,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   fill_f32(dq_s, BM * LDA, 0.0f);
 
   int n_begin, n_end;
-  key_blocks_of<BM, BN>(p, b, m0, n_begin, n_end);
+  key_blocks_of<BN>(p, b, m0, m0 + BM - 1, n_begin, n_end);
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
     load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
@@ -753,8 +935,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
 
 // ---------------------------------------------------------------------------------------------
 // Launch shapes: every kernel runs kThreads per block on a grid of (query or key blocks, heads,
-// batch), the delta kernel one warp per query row. The torch glue and the sanitizer run both take
-// them from here.
+// batch), the decode kernel on (splits, key/value heads, batch), the delta and combine kernels one
+// warp per query row. The torch glue and the sanitizer run both take them from here.
 
 struct LaunchShape {
   unsigned grid[3];
@@ -787,6 +969,19 @@ LaunchShape backward_dkdv_shape(const AttentionParams& p) {
                                                  p.batch);
 }
 
-inline LaunchShape backward_delta_shape(int64_t rows) { return {{ceil_div(rows, kWarps), 1, 1}, kThreads, 0}; }
+template <typename T, int HEAD, int BM>
+LaunchShape decode_shape(const AttentionParams& p, int splits) {
+  return {{static_cast<unsigned>(splits), static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch)},
+          kThreads, static_cast<std::size_t>(DecodeConfig<T, HEAD, BM>::shared_bytes)};
+}
+
+// The keys of one decode split: whole blocks of BN keys, so that a split's blocks start where the
+// previous split's end.
+inline int decode_keys_per_split(int len_k, int splits, int block_n) {
+  return static_cast<int>(ceil_div(ceil_div(len_k, splits), block_n)) * block_n;
+}
+
+// The delta and combine kernels: one warp per query row.
+inline LaunchShape one_warp_per_row(int64_t rows) { return {{ceil_div(rows, kWarps), 1, 1}, kThreads, 0}; }
 
 }  // namespace fused_attn_cuda

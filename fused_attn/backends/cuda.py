@@ -10,6 +10,12 @@ cores with fp32 accumulation; fp32 runs exactly on CUDA cores (no TF32), whateve
 `torch.backends.cuda.matmul.allow_tf32` says. Needs compute capability 8.0 or newer. Dropout draws
 csrc/dropout.h's stream, the same elements as every other backend; the backward also gives the
 gradient of a learned additive mask.
+
+Forward calls with few query rows (L_q <= 16, a GQA group's G · L_q <= 64 rows, head dims <= 128, no
+dropout: generation steps) run split-KV decode kernels: one block per (batch, key/value head, split of
+the keys) for the whole query group, splits chosen from the problem and the SM count, and a combine
+kernel merging them by log-sum-exp. FUSED_ATTN_CUDA_DECODE=0 turns them off; FUSED_ATTN_CUDA_DECODE_SPLITS
+forces a split count.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@
 #include "flash_kernels.cuh"
 
 struct EmulatedLaunch {
+  // The emulation has no SMs; this count makes the decode kernels split small test problems.
+  static constexpr int kMultiprocessors = 4;
+  int multiprocessors() const { return kMultiprocessors; }
+
   template <typename Params>
   void operator()(void (*kernel)(Params), const fused_attn_cuda::LaunchShape& shape, const Params& params) const {
     cuda_emulation::launch(kernel, {shape.grid[0], shape.grid[1], shape.grid[2]},

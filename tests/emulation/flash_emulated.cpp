@@ -55,6 +55,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
                                          EmulatedLaunch{});
 }
 
+// The split count the forward's decode kernels take for this problem (splits of the emulation's SM
+// count, or FUSED_ATTN_CUDA_DECODE_SPLITS), or 0 when the long-query kernel runs it.
+int64_t decode_splits(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double dropout_p,
+                      const std::optional<at::Tensor>& dropout_rng) {
+  auto p = fused_attn_cuda::attention_params(query, key, value, std::nullopt, std::nullopt, false, 1.0);
+  fused_attn_cuda::set_dropout(p, dropout_p, dropout_rng);
+  if (!fused_attn_cuda::takes_decode(p)) return 0;
+  return fused_attn_cuda::decode_split_count(p, EmulatedLaunch{}.multiprocessors());
+}
+
 // ---- probes of the emulation itself: the CUDA semantics the kernels rely on ---------------------
 
 struct ProbeArgs {
@@ -178,6 +188,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("grad_mask") = pybind11::none(), pybind11::arg("window_left") = -1,
         pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false, pybind11::arg("softcap") = 0.0,
         pybind11::arg("alibi_slopes") = pybind11::none());
+  m.def("decode_splits", &decode_splits, "decode_splits(query, key, value, dropout_p, dropout_rng) -> the "
+        "split count of the decode kernels, 0 if the forward runs the long-query kernel", pybind11::arg("query"),
+        pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("dropout_p") = 0.0,
+        pybind11::arg("dropout_rng") = pybind11::none());
   m.def("wmma_product", &wmma_product, "probe: A B of two 16x16 fp16 tiles through WMMA fragments");
   m.def("shuffle_xor", &shuffle_xor, "probe: __shfl_xor_sync over two warps");
   m.def("misaligned_wmma", &misaligned_wmma, "probe: a WMMA load off a 256-bit boundary (raises)");

@@ -9,6 +9,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
+#include <utility>
 #include <random>
 #include <vector>
 
@@ -46,63 +48,97 @@ bool all_finite(const std::vector<T>& values) {
   return true;
 }
 
-// Forward and backward of one problem: GQA, L_q != L_k, causal, key padding and a broadcast mask:
-// bool with some rows fully hidden, or, for `training`, an additive one whose gradient is computed,
-// with dropout and every score variant. Returns the number of outputs with NaN or infinite elements.
+// The inputs of one problem: GQA, L_q != L_k, causal, key padding and a broadcast mask: bool with
+// some rows fully hidden, or, for `training`, an additive one whose gradient is computed, with
+// dropout and every score variant.
+template <typename T>
+struct Problem {
+  std::vector<T> q, k, v, grad_out, bias;
+  std::vector<uint8_t> mask, padding;
+  std::vector<float> slopes;
+  int64_t dropout_rng[2] = {0x123456789abcdefLL, 7};
+  AttentionParams attn{};
+
+  Problem(int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim_qk, int dim_v, bool training) {
+    std::mt19937 rng(1234);
+    const std::size_t q_size = static_cast<std::size_t>(batch) * heads_q * len_q;
+    const std::size_t k_size = static_cast<std::size_t>(batch) * heads_kv * len_k;
+    q = random_values<T>(q_size * dim_qk, rng);
+    grad_out = random_values<T>(q_size * dim_v, rng);
+    k = random_values<T>(k_size * dim_qk, rng);
+    v = random_values<T>(k_size * dim_v, rng);
+    mask.resize(static_cast<std::size_t>(len_q) * len_k);
+    padding.resize(static_cast<std::size_t>(batch) * len_k);
+    for (std::size_t i = 0; i < mask.size(); ++i) mask[i] = rng() % 4 != 0 && i / len_k != 3;
+    for (std::size_t i = 0; i < padding.size(); ++i) padding[i] = rng() % 5 == 0;
+    bias = random_values<T>(mask.size(), rng);
+    slopes.assign(static_cast<std::size_t>(batch) * heads_q, 0.25f);
+
+    attn.q = q.data();
+    attn.k = k.data();
+    attn.v = v.data();
+    contiguous(attn.q_stride, heads_q, len_q, dim_qk);
+    contiguous(attn.k_stride, heads_kv, len_k, dim_qk);
+    contiguous(attn.v_stride, heads_kv, len_k, dim_v);
+    attn.mask = training ? static_cast<const void*>(bias.data()) : mask.data();
+    attn.mask_kind = training ? kAdditiveMask : kBoolMask;
+    const int64_t mask_stride[4] = {0, 0, len_k, 1};  // (L_q, L_k) broadcast over batch and heads
+    std::copy(mask_stride, mask_stride + 4, attn.mask_stride);
+    attn.key_padding = padding.data();
+    attn.key_padding_stride[0] = len_k;
+    attn.key_padding_stride[1] = 1;
+    attn.batch = batch;
+    attn.heads_q = heads_q;
+    attn.heads_kv = heads_kv;
+    attn.group = heads_q / heads_kv;
+    attn.len_q = len_q;
+    attn.len_k = len_k;
+    attn.dim_qk = dim_qk;
+    attn.dim_v = dim_v;
+    attn.scale = 0.2f;
+    // Causal; for `training` also a window aligned bottom-right, a softcap and ALiBi.
+    attn.banded = true;
+    attn.diagonal = training ? len_k - len_q : 0;
+    attn.window_left = training ? 20 : len_q + len_k;
+    attn.window_right = 0;
+    attn.softcap = training ? 3.0f : 0.0f;
+    attn.alibi = training ? slopes.data() : nullptr;
+    attn.alibi_stride[0] = heads_q;
+    attn.alibi_stride[1] = 1;
+    attn.dropout_rng = training ? dropout_rng : nullptr;
+    attn.drop_threshold = training ? fused_attn::dropout_threshold(0.25) : 0;
+    attn.keep_scale = training ? 1.0f / 0.75f : 1.0f;
+  }
+
+  std::size_t q_rows() const { return static_cast<std::size_t>(attn.batch) * attn.heads_q * attn.len_q; }
+  std::size_t k_rows() const { return static_cast<std::size_t>(attn.batch) * attn.heads_kv * attn.len_k; }
+};
+
+// Exit status of a run: 1 (and a message) for each output with NaN or infinite elements.
+int report(const char* name, std::initializer_list<std::pair<const char*, bool>> outputs_finite) {
+  int failures = 0;
+  for (const auto& [what, ok] : outputs_finite) {
+    if (!ok) {
+      std::fprintf(stderr, "%s: %s has unwritten or non-finite elements\n", name, what);
+      ++failures;
+    }
+  }
+  std::printf("%s: %s\n", name, failures ? "FAILED" : "ok");
+  return failures;
+}
+
+// Forward and backward of one problem (Problem). Returns the number of outputs with NaN or infinite
+// elements.
 template <typename T, int HEAD>
 int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim_qk,
         int dim_v, bool training = false) {
-  std::mt19937 rng(1234);
-  const std::size_t q_size = static_cast<std::size_t>(batch) * heads_q * len_q;
-  const std::size_t k_size = static_cast<std::size_t>(batch) * heads_kv * len_k;
-  auto q = random_values<T>(q_size * dim_qk, rng), grad_out = random_values<T>(q_size * dim_v, rng);
-  auto k = random_values<T>(k_size * dim_qk, rng), v = random_values<T>(k_size * dim_v, rng);
+  Problem<T> problem(batch, heads_q, heads_kv, len_q, len_k, dim_qk, dim_v, training);
+  const AttentionParams& attn = problem.attn;
+  const std::size_t q_size = problem.q_rows(), k_size = problem.k_rows();
   auto out = nan_values<T>(q_size * dim_v), grad_q = nan_values<T>(q_size * dim_qk);
   auto grad_k = nan_values<T>(k_size * dim_qk), grad_v = nan_values<T>(k_size * dim_v);
   std::vector<float> lse(q_size, NAN), delta(q_size, NAN);
-  std::vector<uint8_t> mask(static_cast<std::size_t>(len_q) * len_k), padding(batch * len_k);
-  for (std::size_t i = 0; i < mask.size(); ++i) mask[i] = rng() % 4 != 0 && i / len_k != 3;
-  for (std::size_t i = 0; i < padding.size(); ++i) padding[i] = rng() % 5 == 0;
-  const auto bias = random_values<T>(mask.size(), rng);
   std::vector<T> grad_mask(q_size * len_k, Element<T>::store(0.0f));
-  const int64_t dropout_rng[2] = {0x123456789abcdefLL, 7};
-
-  AttentionParams attn{};
-  attn.q = q.data();
-  attn.k = k.data();
-  attn.v = v.data();
-  contiguous(attn.q_stride, heads_q, len_q, dim_qk);
-  contiguous(attn.k_stride, heads_kv, len_k, dim_qk);
-  contiguous(attn.v_stride, heads_kv, len_k, dim_v);
-  attn.mask = training ? static_cast<const void*>(bias.data()) : mask.data();
-  attn.mask_kind = training ? kAdditiveMask : kBoolMask;
-  const int64_t mask_stride[4] = {0, 0, len_k, 1};  // (L_q, L_k) broadcast over batch and heads
-  std::copy(mask_stride, mask_stride + 4, attn.mask_stride);
-  attn.key_padding = padding.data();
-  attn.key_padding_stride[0] = len_k;
-  attn.key_padding_stride[1] = 1;
-  attn.batch = batch;
-  attn.heads_q = heads_q;
-  attn.heads_kv = heads_kv;
-  attn.group = heads_q / heads_kv;
-  attn.len_q = len_q;
-  attn.len_k = len_k;
-  attn.dim_qk = dim_qk;
-  attn.dim_v = dim_v;
-  attn.scale = 0.2f;
-  // Causal; for `training` also a window aligned bottom-right, a softcap and ALiBi.
-  attn.banded = true;
-  attn.diagonal = training ? len_k - len_q : 0;
-  attn.window_left = training ? 20 : len_q + len_k;
-  attn.window_right = 0;
-  attn.softcap = training ? 3.0f : 0.0f;
-  const std::vector<float> slopes(static_cast<std::size_t>(batch) * heads_q, 0.25f);
-  attn.alibi = training ? slopes.data() : nullptr;
-  attn.alibi_stride[0] = heads_q;
-  attn.alibi_stride[1] = 1;
-  attn.dropout_rng = training ? dropout_rng : nullptr;
-  attn.drop_threshold = training ? fused_attn::dropout_threshold(0.25) : 0;
-  attn.keep_scale = training ? 1.0f / 0.75f : 1.0f;
 
   ForwardParams forward{};
   forward.attn = attn;
@@ -116,7 +152,7 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   DeltaParams delta_params{};
   delta_params.out = out.data();
   std::copy(forward.out_stride, forward.out_stride + 4, delta_params.out_stride);
-  delta_params.grad_out = grad_out.data();
+  delta_params.grad_out = problem.grad_out.data();
   contiguous(delta_params.grad_out_stride, heads_q, len_q, dim_v);
   delta_params.grad_lse = nullptr;
   delta_params.delta = delta.data();
@@ -124,11 +160,11 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   delta_params.heads = heads_q;
   delta_params.len_q = len_q;
   delta_params.dim_v = dim_v;
-  launch(&flash_backward_delta_kernel<T>, backward_delta_shape(static_cast<int64_t>(q_size)), delta_params);
+  launch(&flash_backward_delta_kernel<T>, one_warp_per_row(static_cast<int64_t>(q_size)), delta_params);
 
   BackwardParams backward{};
   backward.attn = attn;
-  backward.grad_out = grad_out.data();
+  backward.grad_out = problem.grad_out.data();
   std::copy(delta_params.grad_out_stride, delta_params.grad_out_stride + 4,
             backward.grad_out_stride);
   backward.lse = lse.data();
@@ -147,17 +183,48 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(attn), backward);
   launch(&flash_backward_dkdv_kernel<T, HEAD>, backward_dkdv_shape<T, HEAD>(attn), backward);
 
-  int failures = 0;
-  for (const auto& [what, ok] : {std::pair{"out", all_finite(out)}, {"grad_query", all_finite(grad_q)},
-                                 {"grad_key", all_finite(grad_k)}, {"grad_value", all_finite(grad_v)},
-                                 {"grad_mask", all_finite(grad_mask)}}) {
-    if (!ok) {
-      std::fprintf(stderr, "%s: %s has unwritten or non-finite elements\n", name, what);
-      ++failures;
-    }
-  }
-  std::printf("%s: %s\n", name, failures ? "FAILED" : "ok");
-  return failures;
+  return report(name, {{"out", all_finite(out)}, {"grad_query", all_finite(grad_q)},
+                       {"grad_key", all_finite(grad_k)}, {"grad_value", all_finite(grad_v)},
+                       {"grad_mask", all_finite(grad_mask)}});
+}
+
+// The split-KV decode and combine kernels on a problem of few query rows (Problem without dropout),
+// the keys in `splits` splits of whole key blocks, as flash_decode (flash_dispatch.h) launches them.
+template <typename T, int HEAD, int BM>
+int run_decode(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim, int splits) {
+  Problem<T> problem(batch, heads_q, heads_kv, len_q, len_k, dim, dim, false);
+  problem.attn.diagonal = len_k - len_q;  // causal bottom-right: the queries see most keys
+  const AttentionParams& attn = problem.attn;
+  const int rows = attn.group * len_q;
+  auto out = nan_values<T>(problem.q_rows() * dim);
+  std::vector<float> lse(problem.q_rows(), NAN);
+  std::vector<float> part_out(static_cast<std::size_t>(batch) * heads_kv * splits * rows * dim, NAN);
+  std::vector<float> part_lse(static_cast<std::size_t>(batch) * heads_kv * splits * rows, NAN);
+
+  DecodeParams decode{};
+  decode.attn = attn;
+  decode.part_out = part_out.data();
+  decode.part_lse = part_lse.data();
+  decode.splits = splits;
+  decode.keys_per_split = decode_keys_per_split(len_k, splits, DecodeConfig<T, HEAD, BM>::block_n);
+  const EmulatedLaunch launch;
+  launch(&flash_decode_kernel<T, HEAD, BM>, decode_shape<T, HEAD, BM>(attn, splits), decode);
+
+  CombineParams combine{};
+  combine.part_out = part_out.data();
+  combine.part_lse = part_lse.data();
+  combine.out = out.data();
+  contiguous(combine.out_stride, heads_q, len_q, dim);
+  combine.lse = lse.data();
+  combine.batch = batch;
+  combine.heads_q = heads_q;
+  combine.heads_kv = heads_kv;
+  combine.group = attn.group;
+  combine.len_q = len_q;
+  combine.dim_v = dim;
+  combine.splits = splits;
+  launch(&flash_decode_combine_kernel<T>, one_warp_per_row(static_cast<int64_t>(problem.q_rows())), combine);
+  return report(name, {{"out", all_finite(out)}});
 }
 
 }  // namespace
@@ -170,5 +237,8 @@ int main() {
   failures += run<float, 128>("float32, head 128", 1, 2, 1, 40, 50, 72, 100);
   // Dropout and the gradient of an additive mask.
   failures += run<__half, 32>("float16, head 32, training", 1, 2, 1, 40, 52, 24, 32, true);
+  // Split-KV decode: a GQA group of 2 x 3 rows and 4 x 5 rows, keys in three splits.
+  failures += run_decode<__nv_bfloat16, 64, 16>("bfloat16, head 64, decode", 2, 2, 1, 3, 150, 40, 3);
+  failures += run_decode<float, 32, 64>("float32, head 32, decode", 1, 4, 1, 5, 90, 32, 3);
   return failures == 0 ? 0 : 1;
 }
