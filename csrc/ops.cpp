@@ -44,4 +44,19 @@ TORCH_LIBRARY(fused_attn, m) {
       "paged_forward(Tensor query, Tensor k_blocks, Tensor v_blocks, Tensor block_table, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, int window_left=-1, "
       "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
+  // A packed batch (fused_attn/varlen.py; CUDA): query (total_q, H_q, D_qk), key (total_k, H_kv, D_qk),
+  // value (total_k, H_kv, D_v), any strides; sequence b is tokens cu_seqlens[b] .. cu_seqlens[b + 1]
+  // (int32 or int64 (B + 1,), on the tensors' device); max_seqlen_* the longest sequences, -1 if not
+  // given; alibi_slopes (B, H_q). The forward writes out (total_q, H_q, D_v) and lse (H_q, total_q),
+  // float32; sequence b drops what a one-sequence call with (seed, offset + b) drops.
+  m.def(
+      "flash_forward_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor(a!) out, Tensor(b!) lse, "
+      "float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
+      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None) -> ()");
+  m.def(
+      "flash_backward_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor out, Tensor lse, Tensor grad_out, "
+      "Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
+      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
 }

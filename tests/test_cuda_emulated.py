@@ -1,4 +1,6 @@
-"""The `cuda` backend's kernels against the float64 reference, by the criterion of DESIGN.md.
+"""The `cuda` backend's kernels against the float64 reference, by the criterion of DESIGN.md: ordinary
+calls, the split-KV decode kernels (few query rows) and packed batches (attention_varlen, against
+tests/test_varlen.py's padded definition).
 
 Without a GPU (`emulated_cuda`): csrc/cuda is compiled with the host compiler against the emulation
 of the CUDA execution model in tests/emulation and run on CPU tensors; the host glue that checks the
@@ -21,7 +23,11 @@ import fused_attn
 from fused_attn import testing
 from fused_attn.backends import registry
 from fused_attn.backends.extension import dropout_args
-from fused_attn.scores import PLAIN
+from fused_attn.dropout import Dropout, peek_rng
+from fused_attn.problem import lse_dtype
+from fused_attn.scores import PLAIN, variant_of
+
+import test_varlen as varlen_tests  # packed batches and their padded definition
 
 BUILD = pathlib.Path(__file__).resolve().parent / "emulation" / "build.py"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -131,6 +137,18 @@ class EmulatedBackend:
                  grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
         return self.module.backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                                     grad_out, grad_lse, *dropout_args(dropout), grad_mask, *variant.op_args())
+
+
+    def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                       scale, out, lse, dropout=None, variant=PLAIN):
+        self.module.forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   is_causal, scale, out, lse, *dropout_args(dropout), *variant.op_args())
+
+    def backward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                        scale, out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
+        return self.module.backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           is_causal, scale, out, lse, grad_out, grad_lse, *dropout_args(dropout),
+                                           *variant.op_args())
 
 
 def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
@@ -277,6 +295,102 @@ def test_emulated_decode_selection_and_split_count(emulated, monkeypatch):
             splits(1, 1, 1, 1, 4096)
 
 
+def run_emulated_varlen(module, inputs, dropout=None, max_seqlen=None, index_dtype=torch.int32,
+                        backend=None) -> testing.Results:
+    """attention_varlen's forward and backward of a test_varlen.Packed batch through a backend's
+    `forward_varlen` / `backward_varlen` (the emulated glue by default), into a NaN-poisoned output and lse.
+    `max_seqlen`: the (max_seqlen_q, max_seqlen_k) given, default the longest sequences."""
+    backend = backend or EmulatedBackend(module)
+    case = inputs.case
+    device = inputs.query.device
+    cu_q, cu_k = (varlen_tests.cumulative(lengths).to(device, index_dtype) for lengths in (case.lengths_q, case.keys))
+    max_q, max_k = max_seqlen or (max(case.lengths_q), max(case.keys))
+    variant = variant_of(inputs.query.new_empty((len(case.lengths_q), case.heads_q, 0, 0)), case.causal_alignment,
+                         case.window, case.softcap or None, inputs.alibi_slopes)
+    total_q, dtype = inputs.query.shape[0], inputs.query.dtype
+    out = torch.full((total_q, case.heads_q, case.dim_v), float("nan"), dtype=dtype, device=device)
+    lse = torch.full((case.heads_q, total_q), float("nan"), dtype=lse_dtype(dtype), device=device)
+    args = (inputs.query, inputs.key, inputs.value, cu_q, cu_k, max_q, max_k, case.is_causal, case.dim_qk ** -0.5)
+    backend.forward_varlen(*args, out, lse, dropout, variant)
+    grads = backend.backward_varlen(*args, out, lse, inputs.grad_out, inputs.grad_lse, dropout, variant)
+    return testing.Results(out, lse, *grads)
+
+
+# test_varlen's packed batches: empty sequences, sequences without keys, more queries than keys, GQA,
+# causal in both alignments, windows, softcap, ALiBi; a dtype and a rotation of the layouts each.
+VARLEN_RUNS = [pytest.param(name, DTYPES[i % len(DTYPES)], i, id=f"{name}-{str(DTYPES[i % len(DTYPES)])[6:]}",
+                            marks=[pytest.mark.slow] if name == "long_window" else [])
+               for i, name in enumerate(varlen_tests.CASES)]
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("name,dtype,rotation", VARLEN_RUNS)
+def test_emulated_varlen_matches_padded_definition(emulated, name, dtype, rotation, generator):
+    """Forward and backward of a packed batch against its definition (test_varlen.reference_of: padded,
+    padding hidden, unpadded); a sequence without keys gives rows 0 and lse -inf."""
+    inputs = varlen_tests.random_packed(varlen_tests.CASES[name], dtype, rotation, generator)
+    actual = run_emulated_varlen(emulated, inputs)
+    testing.assert_close_to_reference(actual, varlen_tests.reference_of(inputs, torch.float64),
+                                      varlen_tests.reference_of(inputs, dtype), dtype)
+    case, start = inputs.case, 0
+    for n_q, n_k in zip(case.lengths_q, case.keys):
+        if n_k == 0:
+            assert (actual.lse[:, start:start + n_q] == float("-inf")).all()
+            assert (actual.out[start:start + n_q] == 0).all()
+        start += n_q
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_varlen_bounds_of_every_form(emulated, generator):
+    """int64 bounds and max_seqlen -1 (read from the lengths), or bounds larger than the longest
+    sequences (blocks past every sequence's end): the same results, bit for bit."""
+    inputs = varlen_tests.random_packed(varlen_tests.CASES["cross_bottom_right"], torch.float32, 2, generator)
+    expected = run_emulated_varlen(emulated, inputs)
+    for options in (dict(index_dtype=torch.int64, max_seqlen=(-1, -1)), dict(max_seqlen=(200, 300))):
+        for name, value in run_emulated_varlen(emulated, inputs, **options).named().items():
+            assert torch.equal(value, getattr(expected, name)), (options, name)
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_varlen_dropout_is_each_sequence_with_its_own_offset(emulated, generator):
+    """Sequence b drops what a one-sequence call with (seed, offset + b) drops: against the reference
+    backend's packed batch (each sequence's strided view, in turn), in float64 and in the dtype."""
+    case = varlen_tests.VarlenCase((13, 0, 37, 6), (20, 4, 37, 6), is_causal=True, causal_alignment="bottom_right",
+                                   window=(9, 0), softcap=3.0, alibi=True, lse_grad=True)
+    inputs = varlen_tests.random_packed(case, torch.bfloat16, 1, generator)
+    dropout = Dropout(0.3, peek_rng(torch.device("cpu"), torch.Generator().manual_seed(1234)))
+    actual = run_emulated_varlen(emulated, inputs, dropout)
+    reference = registry.get("reference")
+    exact = run_emulated_varlen(None, varlen_tests.Packed(case, *(None if t is None else t.double() for t in (
+        inputs.query, inputs.key, inputs.value, inputs.grad_out, inputs.grad_lse)), inputs.alibi_slopes), dropout,
+        backend=reference)
+    same = run_emulated_varlen(None, inputs, dropout, backend=reference)
+    testing.assert_close_to_reference(actual, exact, same, torch.bfloat16)
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("change, message", [
+    (dict(query=torch.zeros(1, 10, 2, 8)), "query must be 3-D"),
+    (dict(cu_seqlens_q=torch.tensor([0.0, 4.0, 10.0])), "cu_seqlens_q must be int32 or int64"),
+    (dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), "cu_seqlens_k must have the shape"),
+    (dict(max_seqlen_q=-2), "max_seqlen_q must be -1"),
+    (dict(out=torch.zeros(10, 2, 7)), "out must have shape"),
+    (dict(lse=torch.zeros(10, 2)), "lse must have shape"),
+    (dict(lse=torch.zeros(2, 10, dtype=torch.float64)), "lse must be Float"),
+    (dict(alibi_slopes=torch.zeros(3, 2)), "alibi_slopes must have shape"),
+])
+def test_emulated_varlen_glue_rejects_bad_arguments(emulated, change, message):
+    args = dict(query=torch.zeros(10, 2, 8), key=torch.zeros(12, 2, 8), value=torch.zeros(12, 2, 8),
+                cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32), max_seqlen_q=6, max_seqlen_k=7,
+                out=torch.zeros(10, 2, 8), lse=torch.zeros(2, 10), alibi_slopes=None)
+    args.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        emulated.forward_varlen(args["query"], args["key"], args["value"], args["cu_seqlens_q"], args["cu_seqlens_k"],
+                                args["max_seqlen_q"], args["max_seqlen_k"], False, 0.25, args["out"], args["lse"], 0.0,
+                                None, -1, -1, False, 0.0, args["alibi_slopes"])
+
+
 @pytest.mark.emulated_cuda
 def test_emulated_key_blocks_outside_the_padding_span_are_never_read(emulated, generator):
     """Key blocks of padding only are skipped (the span, AttentionParams::key_spans): NaN keys and
@@ -384,7 +498,7 @@ def test_emulated_glue_rejects_bad_backward_arguments(emulated):
 @pytest.mark.emulated_cuda
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
-    """Every kernel, forward, backward and decode, with ThreadSanitizer (shared-memory races: a missing
+    """Every kernel, forward, backward (also of a packed batch) and decode, with ThreadSanitizer (shared-memory races: a missing
     __syncthreads) or AddressSanitizer + UBSan (out-of-bounds accesses, undefined behaviour)."""
     import subprocess
 
@@ -397,7 +511,7 @@ def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
         pytest.skip(f"{sanitizer} sanitizer cannot start here: {done.stderr.strip()[:200]}")
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
     assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, done.stderr[-8000:]
-    assert done.stdout.count(": ok") == 6, done.stdout
+    assert done.stdout.count(": ok") == 7, done.stdout
 
 
 # ---- the backend's registration -------------------------------------------------------------------
@@ -444,6 +558,18 @@ def test_cuda_matches_reference(name, dtype, rotation, generator):
     """Every case of this file, training and score variants included, through `attention`."""
     inputs = testing.random_inputs(ALL_CASES[name], dtype, rotation, generator, "cuda")
     testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(varlen_tests.CASES))
+def test_cuda_varlen_matches_padded_definition(name, dtype, generator):
+    inputs = varlen_tests.random_packed(varlen_tests.CASES[name], dtype, 1, generator)
+    on_gpu = varlen_tests.Packed(inputs.case, *(None if t is None else t.cuda() for t in (
+        inputs.query, inputs.key, inputs.value, inputs.grad_out, inputs.grad_lse, inputs.alibi_slopes)))
+    actual = run_emulated_varlen(None, on_gpu, backend=registry.get("cuda"))
+    testing.assert_close_to_reference(actual, varlen_tests.reference_of(inputs, torch.float64),
+                                      varlen_tests.reference_of(inputs, dtype), dtype)
 
 
 @pytest.mark.cuda

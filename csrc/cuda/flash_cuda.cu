@@ -105,10 +105,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
                         {window_left, window_right, bottom_right, softcap, alibi_slopes}, launcher_for(query));
 }
 
+// The tensors of a packed batch's forward and backward alike: query on a CUDA device, the others on the
+// same one.
+void check_packed_devices(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, const at::Tensor& out,
+                          const at::Tensor& lse, const std::optional<at::Tensor>& dropout_rng,
+                          const std::optional<at::Tensor>& alibi_slopes) {
+  check_attention_devices(query, key, value, std::nullopt, std::nullopt, out);
+  check_device(query, cu_seqlens_q, "cu_seqlens_q");
+  check_device(query, cu_seqlens_k, "cu_seqlens_k");
+  check_device(query, lse, "lse");
+  check_device(query, dropout_rng, "dropout_rng");
+  check_device(query, alibi_slopes, "alibi_slopes");
+}
+
+void forward_varlen_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                         int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out,
+                         const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
+                         int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+                         const std::optional<at::Tensor>& alibi_slopes) {
+  check_packed_devices(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_rng, alibi_slopes);
+  const c10::cuda::CUDAGuard guard(query.device());
+  flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                       out, lse, dropout_p, dropout_rng,
+                       {window_left, window_right, bottom_right, softcap, alibi_slopes}, launcher_for(query));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out,
+    const std::optional<at::Tensor>& grad_lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  check_packed_devices(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_rng, alibi_slopes);
+  check_device(query, grad_out, "grad_out");
+  check_device(query, grad_lse, "grad_lse");
+  const c10::cuda::CUDAGuard guard(query.device());
+  return flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                               scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng,
+                               {window_left, window_right, bottom_right, softcap, alibi_slopes}, launcher_for(query));
+}
+
 }  // namespace
 }  // namespace fused_attn_cuda
 
 TORCH_LIBRARY_IMPL(fused_attn, CUDA, m) {
   m.impl("flash_forward", &fused_attn_cuda::forward_cuda);
   m.impl("flash_backward", &fused_attn_cuda::backward_cuda);
+  m.impl("flash_forward_varlen", &fused_attn_cuda::forward_varlen_cuda);
+  m.impl("flash_backward_varlen", &fused_attn_cuda::backward_varlen_cuda);
 }

@@ -20,6 +20,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../output_memory.h"
 #include "flash_kernels.cuh"
@@ -208,6 +209,7 @@ inline void set_variant(AttentionParams& p, const VariantArgs& v) {
   if (v.window_left != -1) p.window_left = static_cast<int>(std::min(v.window_left, beyond));
   if (v.window_right != -1) p.window_right = static_cast<int>(std::min<int64_t>(p.window_right, v.window_right));
   p.banded = p.banded || v.window_left != -1 || v.window_right != -1;
+  p.bottom_right = v.bottom_right;
   p.diagonal = v.bottom_right ? p.len_k - p.len_q : 0;
   p.softcap = static_cast<float>(v.softcap);
   if (v.alibi_slopes.has_value() && v.alibi_slopes->defined()) {
@@ -323,6 +325,17 @@ void flash_decode(const ForwardParams& forward, at::ScalarType dtype, const at::
   });
 }
 
+// The forward kernel on the problem and outputs of `params`.
+template <typename Launch>
+void launch_forward(const ForwardParams& params, at::ScalarType dtype, const Launch& launch) {
+  const AttentionParams& p = params.attn;
+  dispatch_instance(dtype, std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
+    using T = typename decltype(type)::type;
+    constexpr int HEAD = decltype(head)::value;
+    launch(&flash_forward_kernel<T, HEAD>, forward_shape<T, HEAD>(p), params);
+  });
+}
+
 // Writes softmax(scale · Q Kᵀ + masks) V into `out` and returns the log-sum-exp (B, H_q, L_q).
 template <typename Launch>
 at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -346,16 +359,61 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   params.out = out.data_ptr();
   copy_strides(out, params.out_stride);
   params.lse = lse.data_ptr<float>();
+  copy_strides(lse, params.lse_stride);
   if (takes_decode(p)) {
     flash_decode(params, query.scalar_type(), query.options(), launch);
     return lse;
   }
-  dispatch_instance(query.scalar_type(), std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
+  launch_forward(params, query.scalar_type(), launch);
+  return lse;
+}
+
+// The delta, dQ and dK/dV kernels of `params`, whose problem, grad_out, lse and delta strides are set:
+// the gradients into grad_query, grad_key and grad_value (4-D, as the kernels index them). The delta
+// kernel computes `delta` (B', H_q, L'), contiguous, = rowsum(dO * O) - grad_lse from `out` and
+// `grad_out` viewed as (B', H_q, L', D_v) and `grad_lse` (B', H_q, L'), fp32, or undefined.
+template <typename Launch>
+void launch_backward(BackwardParams& params, at::ScalarType dtype, const at::Tensor& out, const at::Tensor& grad_out,
+                     const at::Tensor& grad_lse, const at::Tensor& delta, const at::Tensor& grad_query,
+                     const at::Tensor& grad_key, const at::Tensor& grad_value, const Launch& launch) {
+  const AttentionParams& p = params.attn;
+  params.delta = delta.data_ptr<float>();
+  params.grad_q = grad_query.data_ptr();
+  copy_strides(grad_query, params.grad_q_stride);
+  params.grad_k = grad_key.data_ptr();
+  copy_strides(grad_key, params.grad_k_stride);
+  params.grad_v = grad_value.data_ptr();
+  copy_strides(grad_value, params.grad_v_stride);
+
+  const int64_t rows = delta.numel();
+  TORCH_CHECK(rows / kWarps < INT_MAX, "fused_attn cuda: too many query rows");
+  dispatch_instance(dtype, std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
     using T = typename decltype(type)::type;
     constexpr int HEAD = decltype(head)::value;
-    launch(&flash_forward_kernel<T, HEAD>, forward_shape<T, HEAD>(p), params);
+    if (rows > 0) {
+      DeltaParams delta_params{};
+      delta_params.out = out.data_ptr();
+      copy_strides(out, delta_params.out_stride);
+      delta_params.grad_out = grad_out.data_ptr();
+      copy_strides(grad_out, delta_params.grad_out_stride);
+      delta_params.grad_lse = nullptr;
+      if (grad_lse.defined()) {
+        delta_params.grad_lse = grad_lse.data_ptr<float>();
+        copy_strides(grad_lse, delta_params.grad_lse_stride);
+      }
+      delta_params.delta = delta.data_ptr<float>();
+      delta_params.batch = static_cast<int>(delta.size(0));
+      delta_params.heads = static_cast<int>(delta.size(1));
+      delta_params.len_q = static_cast<int>(delta.size(2));
+      delta_params.dim_v = p.dim_v;
+      launch(&flash_backward_delta_kernel<T>, one_warp_per_row(rows), delta_params);
+      if (p.len_q > 0) launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(p), params);
+    }
+    // Also without query rows: every key then gets a zero gradient.
+    if (p.len_k > 0 && (grad_key.numel() > 0 || grad_value.numel() > 0)) {
+      launch(&flash_backward_dkdv_kernel<T, HEAD>, backward_dkdv_shape<T, HEAD>(p), params);
+    }
   });
-  return lse;
 }
 
 // Gradients of query, key and value; `grad_lse` (may be absent) is the gradient flowing into the
@@ -412,48 +470,181 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
   at::Tensor grad_key = at::empty_like(key);
   at::Tensor grad_value = at::empty_like(value);
   at::Tensor delta = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(at::kFloat));
-
   params.grad_out = grad_out.data_ptr();
   copy_strides(grad_out, params.grad_out_stride);
   params.lse = lse.data_ptr<float>();
   copy_strides(lse, params.lse_stride);
-  params.delta = delta.data_ptr<float>();
-  params.grad_q = grad_query.data_ptr();
-  copy_strides(grad_query, params.grad_q_stride);
-  params.grad_k = grad_key.data_ptr();
-  copy_strides(grad_key, params.grad_k_stride);
-  params.grad_v = grad_value.data_ptr();
-  copy_strides(grad_value, params.grad_v_stride);
+  copy_strides(delta, params.delta_stride);
+  launch_backward(params, query.scalar_type(), out, grad_out, grad_lse_f32, delta, grad_query, grad_key, grad_value,
+                  launch);
+  return {grad_query, grad_key, grad_value};
+}
 
-  const int64_t rows = delta.numel();
-  TORCH_CHECK(rows / kWarps < INT_MAX, "fused_attn cuda: too many query rows");
-  dispatch_instance(query.scalar_type(), std::max(p.dim_qk, p.dim_v), [&](auto type, auto head) {
-    using T = typename decltype(type)::type;
-    constexpr int HEAD = decltype(head)::value;
-    if (rows > 0) {
-      DeltaParams delta_params{};
-      delta_params.out = out.data_ptr();
-      copy_strides(out, delta_params.out_stride);
-      delta_params.grad_out = grad_out.data_ptr();
-      copy_strides(grad_out, delta_params.grad_out_stride);
-      delta_params.grad_lse = nullptr;
-      if (grad_lse_f32.defined()) {
-        delta_params.grad_lse = grad_lse_f32.data_ptr<float>();
-        copy_strides(grad_lse_f32, delta_params.grad_lse_stride);
-      }
-      delta_params.delta = delta.data_ptr<float>();
-      delta_params.batch = p.batch;
-      delta_params.heads = p.heads_q;
-      delta_params.len_q = p.len_q;
-      delta_params.dim_v = p.dim_v;
-      launch(&flash_backward_delta_kernel<T>, one_warp_per_row(rows), delta_params);
-      launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(p), params);
-    }
-    // Also without query rows: every key then gets a zero gradient.
-    if (grad_key.numel() > 0 || grad_value.numel() > 0) {
-      launch(&flash_backward_dkdv_kernel<T, HEAD>, backward_dkdv_shape<T, HEAD>(p), params);
-    }
-  });
+// ---- packed batches (attention_varlen) -----------------------------------------------------------
+
+// A packed (total, H, ...) tensor as the (B, H, total, ...) view the kernels read, batch stride 0:
+// each block finds its sequence's tokens through the bounds (AttentionParams::cu_seqlens_q/k).
+inline at::Tensor batched(const at::Tensor& packed, int64_t batch) {
+  const at::Tensor heads_first = packed.transpose(0, 1).unsqueeze(0);
+  std::vector<int64_t> sizes(heads_first.sizes().begin(), heads_first.sizes().end());
+  sizes[0] = batch;
+  return heads_first.expand(sizes);
+}
+
+// The bounds of a packed batch as the kernels read them, and the longest sequences the grids are made
+// for.
+struct PackedBatch {
+  at::Tensor cu_seqlens_q, cu_seqlens_k;  // int32, contiguous: kept until the kernels are launched
+  int64_t batch, max_seqlen_q, max_seqlen_k;
+};
+
+// The longest sequence: `given`, or, -1, read from the lengths (a host synchronisation on a GPU).
+inline int64_t longest(const at::Tensor& cu_seqlens, int64_t given, const char* name) {
+  TORCH_CHECK(given >= -1, "fused_attn cuda: ", name, " must be -1 (not given) or >= 0, got ", given);
+  if (given >= 0) return given;
+  if (cu_seqlens.numel() < 2) return 0;
+  return std::max<int64_t>(0, (cu_seqlens.slice(0, 1) - cu_seqlens.slice(0, 0, -1)).max().item<int64_t>());
+}
+
+// Checks the packed tensors and the bounds (their values are checked on the device by
+// fused_attn/varlen.py; the kernels clamp them to the tensors whatever they are).
+inline PackedBatch packed_batch(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                int64_t max_seqlen_k) {
+  for (const auto& [t, name] : {std::pair{&query, "query"}, {&key, "key"}, {&value, "value"}})
+    TORCH_CHECK(t->dim() == 3, "fused_attn cuda: ", name, " must be 3-D (total_tokens, H, D), got shape ",
+                t->sizes());
+  for (const auto& [t, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "fused_attn cuda: ", name,
+                " must be int32 or int64, got ", t->scalar_type());
+    TORCH_CHECK(t->dim() == 1 && t->size(0) >= 1, "fused_attn cuda: ", name, " must be (B + 1,), got shape ",
+                t->sizes());
+  }
+  TORCH_CHECK(cu_seqlens_k.sizes() == cu_seqlens_q.sizes(), "fused_attn cuda: cu_seqlens_k must have the shape ",
+              cu_seqlens_q.sizes(), " of cu_seqlens_q, got ", cu_seqlens_k.sizes());
+  PackedBatch packed;
+  packed.batch = cu_seqlens_q.size(0) - 1;
+  packed.cu_seqlens_q = cu_seqlens_q.to(at::kInt).contiguous();
+  packed.cu_seqlens_k = cu_seqlens_k.to(at::kInt).contiguous();
+  // No sequence is longer than the packed tokens, whatever bound is given.
+  packed.max_seqlen_q = std::min(longest(cu_seqlens_q, max_seqlen_q, "max_seqlen_q"), query.size(0));
+  packed.max_seqlen_k = std::min(longest(cu_seqlens_k, max_seqlen_k, "max_seqlen_k"), key.size(0));
+  return packed;
+}
+
+// The kernel parameters of a packed batch: the problem of the (B, H, total, D) views, whose lengths
+// are then the longest sequences'; each block makes it its sequence's (enter_sequence).
+inline AttentionParams packed_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                     const PackedBatch& packed, bool is_causal, double scale) {
+  AttentionParams p = attention_params(batched(query, packed.batch), batched(key, packed.batch),
+                                       batched(value, packed.batch), std::nullopt, std::nullopt, is_causal, scale);
+  p.cu_seqlens_q = packed.cu_seqlens_q.data_ptr<int>();
+  p.cu_seqlens_k = packed.cu_seqlens_k.data_ptr<int>();
+  p.total_q = p.len_q;
+  p.total_k = p.len_k;
+  // The band's unbounded side, set from the totals, is beyond every sequence as well.
+  p.len_q = static_cast<int>(packed.max_seqlen_q);
+  p.len_k = static_cast<int>(packed.max_seqlen_k);
+  return p;
+}
+
+inline void check_packed(const at::Tensor& t, const char* name, at::IntArrayRef shape, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == static_cast<int64_t>(shape.size()), "fused_attn cuda: ", name, " must be ",
+              shape.size(), "-D, got shape ", t.sizes());
+  check_shape(t, name, shape);
+  TORCH_CHECK(t.scalar_type() == dtype, "fused_attn cuda: ", name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+// The problem of a packed batch into `params.attn` (and its dropout and score variant), with `out`
+// (total_q, H_q, D_v) and `lse` (H_q, total_q), fp32, checked; returns the batch's bounds.
+template <typename Params>
+PackedBatch set_packed_problem(Params& params, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out,
+                               const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
+                               const VariantArgs& variant) {
+  PackedBatch packed = packed_batch(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  params.attn = packed_params(query, key, value, packed, is_causal, scale);
+  set_dropout(params.attn, dropout_p, dropout_rng);
+  set_variant(params.attn, variant);
+  const AttentionParams& p = params.attn;
+  check_packed(out, "out", {p.total_q, p.heads_q, p.dim_v}, query.scalar_type());
+  check_packed(lse, "lse", {p.heads_q, p.total_q}, at::kFloat);
+  return packed;
+}
+
+// lse (H_q, total_q) as the kernels index it: (B, H_q, L) with the batch stride 0, the rows from each
+// sequence's first token.
+inline void set_packed_rows(int64_t (&stride)[3], const at::Tensor& rows) {
+  stride[0] = 0;
+  stride[1] = rows.stride(0);
+  stride[2] = rows.stride(1);
+}
+
+// A packed batch (fused_attn/varlen.py): query (total_q, H_q, D_qk), key (total_k, H_kv, D_qk), value
+// (total_k, H_kv, D_v); sequence b is tokens cu_seqlens[b] .. cu_seqlens[b + 1] (int32 or int64,
+// (B + 1,)); max_seqlen_* the longest sequences or -1. Writes `out` (total_q, H_q, D_v) and `lse`
+// (H_q, total_q), fp32. Every kernel reads its sequence's bounds itself: one launch, no host
+// synchronisation when the longest lengths are given.
+template <typename Launch>
+void flash_forward_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                          int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out,
+                          const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
+                          const VariantArgs& variant, const Launch& launch) {
+  ForwardParams params{};
+  const PackedBatch packed = set_packed_problem(params, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng,
+                                                variant);
+  const AttentionParams& p = params.attn;
+  for (const auto& [t, name] : {std::pair{&out, "out"}, {&lse, "lse"}})
+    fused_attn::check_output_memory("flash_forward_varlen", name, *t,
+                                    {{"query", &query}, {"key", &key}, {"value", &value}});
+  fused_attn::check_output_memory("flash_forward_varlen", "lse", lse, {{"out", &out}});
+  if (packed.batch == 0 || p.len_q == 0) return;
+  params.out = out.data_ptr();
+  copy_strides(batched(out, packed.batch), params.out_stride);
+  params.lse = lse.data_ptr<float>();
+  set_packed_rows(params.lse_stride, lse);
+  launch_forward(params, query.scalar_type(), launch);
+}
+
+// The gradients of query, key and value of a packed batch, each as `at::empty_like` of its input;
+// `grad_lse` (H_q, total_q) or absent. Deterministic.
+template <typename Launch>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_varlen(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out,
+    const std::optional<at::Tensor>& grad_lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
+    const VariantArgs& variant, const Launch& launch) {
+  BackwardParams params{};
+  const PackedBatch packed = set_packed_problem(params, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng,
+                                                variant);
+  const AttentionParams& p = params.attn;
+  check_packed(grad_out, "grad_out", {p.total_q, p.heads_q, p.dim_v}, query.scalar_type());
+  at::Tensor grad_lse_f32;
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(at::isFloatingType(grad_lse->scalar_type()),
+                "fused_attn cuda: grad_lse must be floating point, got ", grad_lse->scalar_type());
+    check_packed(*grad_lse, "grad_lse", {p.heads_q, p.total_q}, grad_lse->scalar_type());
+    grad_lse_f32 = grad_lse->to(at::kFloat).unsqueeze(0);
+  }
+  at::Tensor grad_query = at::empty_like(query);
+  at::Tensor grad_key = at::empty_like(key);
+  at::Tensor grad_value = at::empty_like(value);
+  if (packed.batch == 0) return {grad_query, grad_key, grad_value};  // then every total is 0
+  at::Tensor delta = at::empty({p.heads_q, p.total_q}, query.options().dtype(at::kFloat));
+  params.grad_out = grad_out.data_ptr();
+  copy_strides(batched(grad_out, packed.batch), params.grad_out_stride);
+  params.lse = lse.data_ptr<float>();
+  set_packed_rows(params.lse_stride, lse);
+  set_packed_rows(params.delta_stride, delta);
+  // The delta kernel sees the packed rows as one batch row of total_q queries.
+  launch_backward(params, query.scalar_type(), batched(out, 1), batched(grad_out, 1), grad_lse_f32,
+                  delta.unsqueeze(0), batched(grad_query, packed.batch), batched(grad_key, packed.batch),
+                  batched(grad_value, packed.batch), launch);
   return {grad_query, grad_key, grad_value};
 }
 

@@ -18,6 +18,11 @@
 // normalised output and log-sum-exp into an fp32 workspace; a combine kernel merges the splits by
 // their log-sum-exps. The split count comes from the problem and the SM count (flash_dispatch.h).
 //
+// Packed batches (attention_varlen) run the same forward and backward kernels, one launch each: the
+// grid's batch index is the sequence, and each block reads its sequence's bounds from cu_seqlens
+// itself (enter_sequence), its grid made for the longest sequences; blocks past their sequence's end
+// exit at once.
+//
 // Dropout and the mask gradient are runtime arguments, as causal masking is: every instance carries
 // them, so the compile report (bench/cuda_report.py) covers them. Dropout regenerates csrc/dropout.h's
 // stream, one Philox block per thread and four consecutive keys, in the forward and in both backward
@@ -129,13 +134,22 @@ struct AttentionParams {
   const int64_t* dropout_rng;
   uint32_t drop_threshold;  // an element is dropped when its 32-bit integer is below this
   float keep_scale;         // 1 / (1 - p); 1 without dropout
+  bool bottom_right;        // diagonal = len_k - len_q (each sequence's own in a packed batch)
+  // A packed batch (fused_attn/varlen.py), or null: batch row b is sequence b, tokens
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of the (B, H, total, D) views, batch stride 0, of the packed
+  // (total, H, D) tensors, keys likewise; len_q and len_k are the longest sequences (the grid's), and
+  // total_q, total_k the packed tokens. No masks or key padding then. See enter_sequence.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q, total_k;
 };
 
 struct ForwardParams {
   AttentionParams attn;
   void* out;  // (B, H_q, L_q, D_v)
   int64_t out_stride[4];
-  float* lse;  // (B, H_q, L_q), contiguous
+  float* lse;  // (B, H_q, L_q)
+  int64_t lse_stride[3];
 };
 
 struct BackwardParams {
@@ -144,7 +158,8 @@ struct BackwardParams {
   int64_t grad_out_stride[4];
   const float* lse;  // (B, H_q, L_q)
   int64_t lse_stride[3];
-  const float* delta;  // (B, H_q, L_q), contiguous: rowsum(dO * O) - grad_lse
+  const float* delta;  // (B, H_q, L_q): rowsum(dO * O) - grad_lse
+  int64_t delta_stride[3];
   void* grad_q;
   int64_t grad_q_stride[4];
   void* grad_k;
@@ -478,27 +493,56 @@ __device__ __forceinline__ void key_blocks_of(const AttentionParams& p, int b, i
   }
 }
 
+// Where a packed batch's sequence starts in the packed tensors.
+struct SequenceStart {
+  int64_t q, k;  // first query token, first key token
+};
+
+// In a packed batch (cu_seqlens_q set), makes `p` the problem of sequence b: q, k and v start at its
+// tokens, its own lengths replace the longest (clamped to them and to the packed tensors, so that
+// bounds that break the contract, which is checked on the device before the kernels run, never lead
+// outside the tensors) and the bottom-right diagonal becomes its own. Returns its first tokens, where
+// the caller's outputs start; {0, 0} for an ordinary batch, whose `p` is left as it is.
+template <typename T>
+__device__ __forceinline__ SequenceStart enter_sequence(AttentionParams& p, int b) {
+  if (p.cu_seqlens_q == nullptr) return {0, 0};
+  const int q0 = min_int(max_int(p.cu_seqlens_q[b], 0), p.total_q);
+  const int k0 = min_int(max_int(p.cu_seqlens_k[b], 0), p.total_k);
+  p.len_q = max_int(0, min_int(min_int(p.cu_seqlens_q[b + 1], p.total_q) - q0, p.len_q));
+  p.len_k = max_int(0, min_int(min_int(p.cu_seqlens_k[b + 1], p.total_k) - k0, p.len_k));
+  if (p.bottom_right) p.diagonal = p.len_k - p.len_q;
+  p.q = static_cast<const T*>(p.q) + q0 * p.q_stride[2];
+  p.k = static_cast<const T*>(p.k) + k0 * p.k_stride[2];
+  p.v = static_cast<const T*>(p.v) + k0 * p.v_stride[2];
+  return {q0, k0};
+}
+
 // Dropout's keep/drop decisions as a thread regenerates them (csrc/dropout.h): seed and offset are
 // read once per kernel.
 struct DropoutStream {
   bool enabled;
   uint32_t key0, key1, offset, threshold;
+  int first_head;  // b * H_q: the counter's head index of head 0
 
-  static __device__ __forceinline__ DropoutStream none() { return {false, 0, 0, 0, 0}; }
+  static __device__ __forceinline__ DropoutStream none() { return {false, 0, 0, 0, 0, 0}; }
 
-  static __device__ __forceinline__ DropoutStream of(const AttentionParams& p) {
+  // The stream of batch row b. Sequence b of a packed batch drops what a one-sequence call (batch
+  // row 0) with offset + b drops (fused_attn/varlen.py).
+  static __device__ __forceinline__ DropoutStream of(const AttentionParams& p, int b) {
     if (p.dropout_rng == nullptr) return none();
+    const bool packed = p.cu_seqlens_q != nullptr;
     const uint64_t seed = static_cast<uint64_t>(p.dropout_rng[0]);
-    return {true, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
-            static_cast<uint32_t>(static_cast<uint64_t>(p.dropout_rng[1])), p.drop_threshold};
+    const uint64_t offset = static_cast<uint64_t>(p.dropout_rng[1]) + (packed ? b : 0);
+    return {true, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), static_cast<uint32_t>(offset),
+            p.drop_threshold, packed ? 0 : b * p.heads_q};
   }
 
-  // Bit c is set when key j4 + c of query i in head `batch_head` (b * H_q + h) is kept; j4 is a
-  // multiple of 4, so the four keys are the four outputs of one Philox block.
-  __device__ __forceinline__ unsigned kept4(int batch_head, int i, int j4) const {
+  // Bit c is set when key j4 + c of query i in query head h is kept; j4 is a multiple of 4, so the
+  // four keys are the four outputs of one Philox block.
+  __device__ __forceinline__ unsigned kept4(int h, int i, int j4) const {
     if (!enabled) return 0xFu;
     uint32_t c0[1] = {static_cast<uint32_t>(j4 / 4)}, c1[1] = {static_cast<uint32_t>(i)};
-    uint32_t c2[1] = {static_cast<uint32_t>(batch_head)}, c3[1] = {offset};
+    uint32_t c2[1] = {static_cast<uint32_t>(first_head + h)}, c3[1] = {offset};
     fused_attn::philox4x32_10_blocks<1>(c0, c1, c2, c3, key0, key1);
     return static_cast<unsigned>(c0[0] >= threshold) | static_cast<unsigned>(c1[0] >= threshold) << 1 |
            static_cast<unsigned>(c2[0] >= threshold) << 2 | static_cast<unsigned>(c3[0] >= threshold) << 3;
@@ -545,7 +589,6 @@ __device__ __forceinline__ void attend_key_blocks(const AttentionParams& p, cons
   using Tiles = ForwardTiles<T, HEAD, BM, BN>;
   constexpr int LD = Tiles::LD, LDS = Tiles::LDS, LDP = Tiles::LDP, LDO = Tiles::LDO, LANES = Tiles::LANES;
   const int row = threadIdx.x / LANES, lane = threadIdx.x % LANES;
-  const int batch_head = b * p.heads_q + h;
   row_max = -INFINITY;
   row_sum = 0.0f;
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
@@ -571,7 +614,7 @@ __device__ __forceinline__ void attend_key_blocks(const AttentionParams& p, cons
     // of the undropped weights; the kept ones are scaled once, at the end.
     float tile_sum = 0.0f;
     for (int j4 = lane * 4; j4 < BN; j4 += LANES * 4) {
-      const unsigned kept = dropout.kept4(batch_head, i, n0 + j4);
+      const unsigned kept = dropout.kept4(h, i, n0 + j4);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float probability = expf(s_row[j4 + c] - reference);
@@ -593,8 +636,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
   using Cfg = Config<kForwardKernel, T, HEAD>;
   constexpr int BM = Cfg::block_m, BN = Cfg::block_n;
   using Tiles = ForwardTiles<T, HEAD, BM, BN>;
-  const AttentionParams& p = params.attn;
-  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+  AttentionParams p = params.attn;
+  const SequenceStart start = enter_sequence<T>(p, b);
+  if (m0 >= p.len_q) return;  // past its sequence's end: a packed batch's grid is made for the longest
+  const int h_kv = h / p.group;
 
   const Tiles tiles(dynamic_shared_memory());
   const T* q = head_of<const T>(p.q, p.q_stride, b, h);
@@ -608,17 +654,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
   float row_max, row_sum;
   attend_key_blocks<T, HEAD, BM, BN>(p, tiles, head_of<const T>(p.k, p.k_stride, b, h_kv),
                                      head_of<const T>(p.v, p.v_stride, b, h_kv), b, h, i, n_begin, n_end,
-                                     DropoutStream::of(p), row_max, row_sum);
+                                     DropoutStream::of(p, b), row_max, row_sum);
 
   // A row that saw no key: output 0, log-sum-exp -inf.
   if (lane == 0) {
     tiles.inv_sum[row] = row_sum > 0.0f ? p.keep_scale / row_sum : 0.0f;
     if (i < p.len_q)
-      params.lse[(static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i] =
+      params.lse[b * params.lse_stride[0] + h * params.lse_stride[1] + (start.q + i) * params.lse_stride[2]] =
           row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
   }
   __syncthreads();
-  T* out = head_of<T>(params.out, params.out_stride, b, h);
+  T* out = head_of<T>(params.out, params.out_stride, b, h) + start.q * params.out_stride[2];
   for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
     const int r = e / HEAD, d = e % HEAD;
     if (m0 + r < p.len_q && d < p.dim_v)
@@ -740,19 +786,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_delta_kernel(const
   }
 }
 
-// Loads the log-sum-exp and delta of rows [m0, m0 + BM) of head h; rows past the end get
-// lse -inf, so that their probabilities, and so their gradients, are 0.
+// Loads the log-sum-exp and delta of rows [m0, m0 + BM) of head h of problem `p` (a sequence's,
+// whose rows start at token q_start); rows past the end get lse -inf, so that their probabilities,
+// and so their gradients, are 0.
 template <int BM>
-__device__ __forceinline__ void load_row_stats(const BackwardParams& params, int b, int h, int m0,
-                                               float* lse_s, float* delta_s) {
-  const AttentionParams& p = params.attn;
+__device__ __forceinline__ void load_row_stats(const BackwardParams& params, const AttentionParams& p, int b,
+                                               int h, int m0, int64_t q_start, float* lse_s, float* delta_s) {
   for (int r = threadIdx.x; r < BM; r += kThreads) {
     const int i = m0 + r;
     const bool valid = i < p.len_q;
-    lse_s[r] = valid ? params.lse[b * params.lse_stride[0] + h * params.lse_stride[1] +
-                                  i * params.lse_stride[2]]
+    const int64_t row = q_start + i;
+    lse_s[r] = valid ? params.lse[b * params.lse_stride[0] + h * params.lse_stride[1] + row * params.lse_stride[2]]
                      : -INFINITY;
-    delta_s[r] = valid ? params.delta[(static_cast<int64_t>(b) * p.heads_q + h) * p.len_q + i]
+    delta_s[r] = valid ? params.delta[b * params.delta_stride[0] + h * params.delta_stride[1] +
+                                      row * params.delta_stride[2]]
                        : 0.0f;
   }
 }
@@ -763,17 +810,15 @@ __device__ __forceinline__ void load_row_stats(const BackwardParams& params, int
 // 1 / (1 - p) at the end) and the gradient of the undropped weights is Z ∘ dP / (1 - p). With a
 // `grad_mask` (the dK/dV kernel's tiles), dS is also written there: the gradient of the mask.
 template <typename T, int BM, int BN>
-__device__ __forceinline__ void probabilities_and_grads(const BackwardParams& params, int b, int h,
-                                                        int m0, int n0, const float* s_s,
+__device__ __forceinline__ void probabilities_and_grads(const BackwardParams& params, const AttentionParams& p,
+                                                        int b, int h, int m0, int n0, const float* s_s,
                                                         const float* dp_s, int lds,
                                                         const float* lse_s, const float* delta_s,
                                                         T* p_s, T* ds_s, int ldp, T* grad_mask) {
-  const AttentionParams& p = params.attn;
-  const DropoutStream dropout = DropoutStream::of(p);
-  const int batch_head = b * p.heads_q + h;
+  const DropoutStream dropout = DropoutStream::of(p, b);
   for (int e = threadIdx.x; e < BM * BN / 4; e += kThreads) {
     const int r = e / (BN / 4), j4 = e % (BN / 4) * 4, i = m0 + r;
-    const unsigned kept = dropout.kept4(batch_head, i, n0 + j4);
+    const unsigned kept = dropout.kept4(h, i, n0 + j4);
     const float lse = lse_s[r];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -803,8 +848,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Cfg = Config<kBackwardKVKernel, T, HEAD>;
   constexpr int BM = Cfg::block_m, BN = Cfg::block_n;
   constexpr int LD = pitch(HEAD), LDA = pitch_f32(HEAD), LDS = pitch_f32(BN), LDP = pitch(BN);
-  const AttentionParams& p = params.attn;
   const int n0 = blockIdx.x * BN, h_kv = blockIdx.y, b = blockIdx.z;
+  AttentionParams p = params.attn;
+  const SequenceStart start = enter_sequence<T>(p, b);
+  if (n0 >= p.len_k) return;  // past its sequence's end: a packed batch's grid is made for the longest
 
   SharedCarver shared{dynamic_shared_memory()};
   T* k_s = shared.take<T>(BN, LD);
@@ -839,7 +886,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int g = 0; g < p.group; ++g) {
     const int h = h_kv * p.group + g;
     const T* q = head_of<const T>(p.q, p.q_stride, b, h);
-    const T* grad_out = head_of<const T>(params.grad_out, params.grad_out_stride, b, h);
+    const T* grad_out =
+        head_of<const T>(params.grad_out, params.grad_out_stride, b, h) + start.q * params.grad_out_stride[2];
     T* grad_mask = params.grad_mask == nullptr
                        ? nullptr
                        : head_of<T>(params.grad_mask, params.grad_mask_stride, b, h);
@@ -847,12 +895,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
       load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2],
                              params.grad_out_stride[3], m0, p.len_q, p.dim_v);
-      load_row_stats<BM>(params, b, h, m0, lse_s, delta_s);
+      load_row_stats<BM>(params, p, b, h, m0, start.q, lse_s, delta_s);
       __syncthreads();
       block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
       block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
       __syncthreads();
-      probabilities_and_grads<T, BM, BN>(params, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s, p_s,
+      probabilities_and_grads<T, BM, BN>(params, p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s, p_s,
                                          ds_s, LDP, grad_mask);
       __syncthreads();
       block_gemm<T, BN, HEAD, BM, true, false, true>(p_s, LDP, do_s, LD, dv_s, LDA);  // += Pᵀ dO
@@ -862,8 +910,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();  // the accumulators are complete even when no query block was visited
 
-  T* grad_k = head_of<T>(params.grad_k, params.grad_k_stride, b, h_kv);
-  T* grad_v = head_of<T>(params.grad_v, params.grad_v_stride, b, h_kv);
+  T* grad_k = head_of<T>(params.grad_k, params.grad_k_stride, b, h_kv) + start.k * params.grad_k_stride[2];
+  T* grad_v = head_of<T>(params.grad_v, params.grad_v_stride, b, h_kv) + start.k * params.grad_v_stride[2];
   for (int e = threadIdx.x; e < BN * HEAD; e += kThreads) {
     const int r = e / HEAD, d = e % HEAD, n = n0 + r;
     if (n >= p.len_k) continue;
@@ -882,8 +930,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   using Cfg = Config<kBackwardQKernel, T, HEAD>;
   constexpr int BM = Cfg::block_m, BN = Cfg::block_n;
   constexpr int LD = pitch(HEAD), LDA = pitch_f32(HEAD), LDS = pitch_f32(BN), LDP = pitch(BN);
-  const AttentionParams& p = params.attn;
-  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z, h_kv = h / p.group;
+  const int m0 = blockIdx.x * BM, h = blockIdx.y, b = blockIdx.z;
+  AttentionParams p = params.attn;
+  const SequenceStart start = enter_sequence<T>(p, b);
+  if (m0 >= p.len_q) return;  // past its sequence's end: a packed batch's grid is made for the longest
+  const int h_kv = h / p.group;
 
   SharedCarver shared{dynamic_shared_memory()};
   T* q_s = shared.take<T>(BM, LD);
@@ -898,13 +949,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   float* delta_s = shared.take<float>(BM, 1);
 
   const T* q = head_of<const T>(p.q, p.q_stride, b, h);
-  const T* grad_out = head_of<const T>(params.grad_out, params.grad_out_stride, b, h);
+  const T* grad_out =
+      head_of<const T>(params.grad_out, params.grad_out_stride, b, h) + start.q * params.grad_out_stride[2];
   const T* k = head_of<const T>(p.k, p.k_stride, b, h_kv);
   const T* v = head_of<const T>(p.v, p.v_stride, b, h_kv);
   load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
   load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2], params.grad_out_stride[3],
                          m0, p.len_q, p.dim_v);
-  load_row_stats<BM>(params, b, h, m0, lse_s, delta_s);
+  load_row_stats<BM>(params, p, b, h, m0, start.q, lse_s, delta_s);
   fill_f32(dq_s, BM * LDA, 0.0f);
 
   int n_begin, n_end;
@@ -916,7 +968,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
     block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
     block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
     __syncthreads();
-    probabilities_and_grads<T, BM, BN>(params, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s,
+    probabilities_and_grads<T, BM, BN>(params, p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s,
                                        static_cast<T*>(nullptr), ds_s, LDP, static_cast<T*>(nullptr));
     __syncthreads();
     block_gemm<T, BM, HEAD, BN, false, false, true>(ds_s, LDP, k_s, LD, dq_s, LDA);  // += dS K
@@ -924,7 +976,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   }
   __syncthreads();
 
-  T* grad_q = head_of<T>(params.grad_q, params.grad_q_stride, b, h);
+  T* grad_q = head_of<T>(params.grad_q, params.grad_q_stride, b, h) + start.q * params.grad_q_stride[2];
   for (int e = threadIdx.x; e < BM * HEAD; e += kThreads) {
     const int r = e / HEAD, d = e % HEAD;
     if (m0 + r < p.len_q && d < p.dim_qk)

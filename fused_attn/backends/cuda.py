@@ -16,6 +16,12 @@ dropout: generation steps) run split-KV decode kernels: one block per (batch, ke
 the keys) for the whole query group, splits chosen from the problem and the SM count, and a combine
 kernel merging them by log-sum-exp. FUSED_ATTN_CUDA_DECODE=0 turns them off; FUSED_ATTN_CUDA_DECODE_SPLITS
 forces a split count.
+
+Packed batches (`attention_varlen`) run in one launch per kernel through the ops
+`flash_forward_varlen` / `flash_backward_varlen`: every block reads its sequence's bounds from
+cu_seqlens itself (the grid is made for the longest sequences; blocks past their sequence's end
+exit), so nothing synchronises with the host when max_seqlen_q/k are given (otherwise they are read
+from the lengths).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from ..problem import Problem
-from ..scores import FEATURES
-from .extension import ExtensionBackend
+from ..scores import FEATURES, PLAIN
+from .extension import ExtensionBackend, dropout_args
 
 MAX_GRID_DIM = 65535  # heads and batch index the y and z dimensions of the grid
 
@@ -42,6 +48,7 @@ class CudaBackend(ExtensionBackend):
     takes_dropout = True
     takes_mask_gradient = True
     takes_score_variants = frozenset(FEATURES)
+    takes_varlen = True  # the kernels read each sequence's bounds: one launch, no host synchronisation
 
     def unavailable(self) -> str | None:
         if (reason := super().unavailable()) is not None:
@@ -67,3 +74,17 @@ class CudaBackend(ExtensionBackend):
             reasons.append(f"batch and query heads up to {MAX_GRID_DIM}, got {problem.batch} and "
                            f"{problem.heads_q}")
         return reasons
+
+    def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                       scale, out, lse, dropout=None, variant=PLAIN):
+        self.check_variant(variant, is_causal)
+        torch.ops.fused_attn.flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                  max_seqlen_k, is_causal, scale, out, lse, *dropout_args(dropout),
+                                                  *variant.op_args())
+
+    def backward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                        scale, out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
+        self.check_variant(variant, is_causal)
+        return torch.ops.fused_attn.flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse,
+                                                          *dropout_args(dropout), *variant.op_args())

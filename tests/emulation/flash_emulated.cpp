@@ -55,6 +55,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
                                          EmulatedLaunch{});
 }
 
+void forward_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                    int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
+                    double dropout_p, const std::optional<at::Tensor>& dropout_rng, int64_t window_left,
+                    int64_t window_right, bool bottom_right, double softcap,
+                    const std::optional<at::Tensor>& alibi_slopes) {
+  for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
+                                {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}, {out, "out"},
+                                {lse, "lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}})
+    check_cpu(t, name);
+  pybind11::gil_scoped_release release;
+  fused_attn_cuda::flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        is_causal, scale, out, lse, dropout_p, dropout_rng,
+                                        {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                        EmulatedLaunch{});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out,
+    const std::optional<at::Tensor>& grad_lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
+    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  for (const auto& [t, name] :
+       {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
+        {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}, {out, "out"}, {lse, "lse"},
+        {grad_out, "grad_out"}, {grad_lse, "grad_lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}})
+    check_cpu(t, name);
+  pybind11::gil_scoped_release release;
+  return fused_attn_cuda::flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse,
+                                                dropout_p, dropout_rng,
+                                                {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                                EmulatedLaunch{});
+}
+
 // The split count the forward's decode kernels take for this problem (splits of the emulation's SM
 // count, or FUSED_ATTN_CUDA_DECODE_SPLITS), or 0 when the long-query kernel runs it.
 int64_t decode_splits(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double dropout_p,
@@ -188,6 +225,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("grad_mask") = pybind11::none(), pybind11::arg("window_left") = -1,
         pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false, pybind11::arg("softcap") = 0.0,
         pybind11::arg("alibi_slopes") = pybind11::none());
+  m.def("forward_varlen", &forward_varlen, "flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
+        "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng, window_left, window_right, "
+        "bottom_right, softcap, alibi_slopes): writes out and lse");
+  m.def("backward_varlen", &backward_varlen, "flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
+        "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, "
+        "window_left, window_right, bottom_right, softcap, alibi_slopes) -> (dq, dk, dv)");
   m.def("decode_splits", &decode_splits, "decode_splits(query, key, value, dropout_p, dropout_rng) -> the "
         "split count of the decode kernels, 0 if the forward runs the long-query kernel", pybind11::arg("query"),
         pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("dropout_p") = 0.0,

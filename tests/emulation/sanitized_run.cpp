@@ -7,6 +7,7 @@
 // Exit status 0 when every output is written and finite; the sanitizers report on stderr.
 #include "cuda_emulation.h"  // first: it defines the CUDA names the kernel header uses
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <initializer_list>
@@ -39,6 +40,12 @@ void contiguous(int64_t (&stride)[4], int heads, int length, int dim) {
   stride[2] = dim;
   stride[1] = static_cast<int64_t>(length) * dim;
   stride[0] = stride[1] * heads;
+}
+
+bool none_nan(const std::vector<float>& values) {
+  for (float value : values)
+    if (std::isnan(value)) return false;
+  return true;
 }
 
 template <typename T>
@@ -98,6 +105,7 @@ struct Problem {
     attn.scale = 0.2f;
     // Causal; for `training` also a window aligned bottom-right, a softcap and ALiBi.
     attn.banded = true;
+    attn.bottom_right = training;
     attn.diagonal = training ? len_k - len_q : 0;
     attn.window_left = training ? 20 : len_q + len_k;
     attn.window_right = 0;
@@ -127,13 +135,32 @@ int report(const char* name, std::initializer_list<std::pair<const char*, bool>>
   return failures;
 }
 
-// Forward and backward of one problem (Problem). Returns the number of outputs with NaN or infinite
-// elements.
+// (B, H, L) rows of lse or delta, contiguous.
+void contiguous_rows(int64_t (&stride)[3], int heads, int length) {
+  stride[2] = 1;
+  stride[1] = length;
+  stride[0] = static_cast<int64_t>(heads) * length;
+}
+
+// A packed batch (attention_varlen): the sequences' lengths, split from the tokens of a one-row Problem.
+struct Packing {
+  std::vector<int> cu_seqlens_q, cu_seqlens_k;  // (B + 1,)
+};
+
+int longest(const std::vector<int>& cu_seqlens) {
+  int longest = 0;
+  for (std::size_t b = 0; b + 1 < cu_seqlens.size(); ++b) longest = std::max(longest, cu_seqlens[b + 1] - cu_seqlens[b]);
+  return longest;
+}
+
+// Forward and backward of one problem (Problem). With `packing`, the problem's one batch row holds
+// the packed tokens of its sequences: (1, H, total, D) tensors read as (B, H, total, D) views of
+// batch stride 0, no masks (as flash_dispatch.h's packed_params sets them up). Returns the number
+// of outputs with NaN or infinite elements (lse: NaN).
 template <typename T, int HEAD>
 int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim_qk,
-        int dim_v, bool training = false) {
+        int dim_v, bool training = false, const Packing* packing = nullptr) {
   Problem<T> problem(batch, heads_q, heads_kv, len_q, len_k, dim_qk, dim_v, training);
-  const AttentionParams& attn = problem.attn;
   const std::size_t q_size = problem.q_rows(), k_size = problem.k_rows();
   auto out = nan_values<T>(q_size * dim_v), grad_q = nan_values<T>(q_size * dim_qk);
   auto grad_k = nan_values<T>(k_size * dim_qk), grad_v = nan_values<T>(k_size * dim_v);
@@ -141,17 +168,54 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   std::vector<T> grad_mask(q_size * len_k, Element<T>::store(0.0f));
 
   ForwardParams forward{};
-  forward.attn = attn;
   forward.out = out.data();
   contiguous(forward.out_stride, heads_q, len_q, dim_v);
   forward.lse = lse.data();
+  contiguous_rows(forward.lse_stride, heads_q, len_q);
+  BackwardParams backward{};
+  backward.grad_out = problem.grad_out.data();
+  contiguous(backward.grad_out_stride, heads_q, len_q, dim_v);
+  backward.lse = lse.data();
+  contiguous_rows(backward.lse_stride, heads_q, len_q);
+  backward.delta = delta.data();
+  contiguous_rows(backward.delta_stride, heads_q, len_q);
+  backward.grad_q = grad_q.data();
+  contiguous(backward.grad_q_stride, heads_q, len_q, dim_qk);
+  backward.grad_k = grad_k.data();
+  contiguous(backward.grad_k_stride, heads_kv, len_k, dim_qk);
+  backward.grad_v = grad_v.data();
+  contiguous(backward.grad_v_stride, heads_kv, len_k, dim_v);
+  backward.grad_mask = training && packing == nullptr ? grad_mask.data() : nullptr;
+  contiguous(backward.grad_mask_stride, heads_q, len_q, len_k);
+
+  AttentionParams& attn = problem.attn;
+  if (packing != nullptr) {
+    for (int64_t* stride : {attn.q_stride, attn.k_stride, attn.v_stride, forward.out_stride, backward.grad_out_stride,
+                            backward.grad_q_stride, backward.grad_k_stride, backward.grad_v_stride})
+      stride[0] = 0;
+    for (int64_t* stride : {forward.lse_stride, backward.lse_stride, backward.delta_stride}) stride[0] = 0;
+    attn.mask = nullptr;
+    attn.mask_kind = kNoMask;
+    attn.key_padding = nullptr;
+    attn.alibi_stride[0] = 0;  // one row of slopes for every sequence
+    attn.cu_seqlens_q = packing->cu_seqlens_q.data();
+    attn.cu_seqlens_k = packing->cu_seqlens_k.data();
+    attn.batch = static_cast<int>(packing->cu_seqlens_q.size()) - 1;
+    attn.total_q = len_q;
+    attn.total_k = len_k;
+    attn.len_q = longest(packing->cu_seqlens_q);
+    attn.len_k = longest(packing->cu_seqlens_k);
+  }
+  forward.attn = attn;
+  backward.attn = attn;
   // Launched at the shapes the torch glue (flash_dispatch.h) computes.
   const EmulatedLaunch launch;
   launch(&flash_forward_kernel<T, HEAD>, forward_shape<T, HEAD>(attn), forward);
 
+  // The delta kernel reads the rows of the one batch row as they lie, packed or not.
   DeltaParams delta_params{};
   delta_params.out = out.data();
-  std::copy(forward.out_stride, forward.out_stride + 4, delta_params.out_stride);
+  contiguous(delta_params.out_stride, heads_q, len_q, dim_v);
   delta_params.grad_out = problem.grad_out.data();
   contiguous(delta_params.grad_out_stride, heads_q, len_q, dim_v);
   delta_params.grad_lse = nullptr;
@@ -162,28 +226,10 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
   delta_params.dim_v = dim_v;
   launch(&flash_backward_delta_kernel<T>, one_warp_per_row(static_cast<int64_t>(q_size)), delta_params);
 
-  BackwardParams backward{};
-  backward.attn = attn;
-  backward.grad_out = problem.grad_out.data();
-  std::copy(delta_params.grad_out_stride, delta_params.grad_out_stride + 4,
-            backward.grad_out_stride);
-  backward.lse = lse.data();
-  backward.lse_stride[0] = static_cast<int64_t>(heads_q) * len_q;
-  backward.lse_stride[1] = len_q;
-  backward.lse_stride[2] = 1;
-  backward.delta = delta.data();
-  backward.grad_q = grad_q.data();
-  contiguous(backward.grad_q_stride, heads_q, len_q, dim_qk);
-  backward.grad_k = grad_k.data();
-  contiguous(backward.grad_k_stride, heads_kv, len_k, dim_qk);
-  backward.grad_v = grad_v.data();
-  contiguous(backward.grad_v_stride, heads_kv, len_k, dim_v);
-  backward.grad_mask = training ? grad_mask.data() : nullptr;
-  contiguous(backward.grad_mask_stride, heads_q, len_q, len_k);
   launch(&flash_backward_dq_kernel<T, HEAD>, backward_dq_shape<T, HEAD>(attn), backward);
   launch(&flash_backward_dkdv_kernel<T, HEAD>, backward_dkdv_shape<T, HEAD>(attn), backward);
 
-  return report(name, {{"out", all_finite(out)}, {"grad_query", all_finite(grad_q)},
+  return report(name, {{"out", all_finite(out)}, {"lse", none_nan(lse)}, {"grad_query", all_finite(grad_q)},
                        {"grad_key", all_finite(grad_k)}, {"grad_value", all_finite(grad_v)},
                        {"grad_mask", all_finite(grad_mask)}});
 }
@@ -193,7 +239,8 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
 template <typename T, int HEAD, int BM>
 int run_decode(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim, int splits) {
   Problem<T> problem(batch, heads_q, heads_kv, len_q, len_k, dim, dim, false);
-  problem.attn.diagonal = len_k - len_q;  // causal bottom-right: the queries see most keys
+  problem.attn.bottom_right = true;  // causal bottom-right: the queries see most keys
+  problem.attn.diagonal = len_k - len_q;
   const AttentionParams& attn = problem.attn;
   const int rows = attn.group * len_q;
   auto out = nan_values<T>(problem.q_rows() * dim);
@@ -224,7 +271,7 @@ int run_decode(const char* name, int batch, int heads_q, int heads_kv, int len_q
   combine.dim_v = dim;
   combine.splits = splits;
   launch(&flash_decode_combine_kernel<T>, one_warp_per_row(static_cast<int64_t>(problem.q_rows())), combine);
-  return report(name, {{"out", all_finite(out)}});
+  return report(name, {{"out", all_finite(out)}, {"lse", none_nan(lse)}});
 }
 
 }  // namespace
@@ -237,6 +284,10 @@ int main() {
   failures += run<float, 128>("float32, head 128", 1, 2, 1, 40, 50, 72, 100);
   // Dropout and the gradient of an additive mask.
   failures += run<__half, 32>("float16, head 32, training", 1, 2, 1, 40, 52, 24, 32, true);
+  // A packed batch: sequences of 21, 0, 40 and 9 queries and 30, 13, 0 and 9 keys (one without queries,
+  // one without keys), with dropout and the score variants, bottom-right per sequence.
+  const Packing packing{{0, 21, 21, 61, 70}, {0, 30, 43, 43, 52}};
+  failures += run<__half, 32>("float16, head 32, packed batch", 1, 2, 1, 70, 52, 24, 32, true, &packing);
   // Split-KV decode: a GQA group of 2 x 3 rows and 4 x 5 rows, keys in three splits.
   failures += run_decode<__nv_bfloat16, 64, 16>("bfloat16, head 64, decode", 2, 2, 1, 3, 150, 40, 3);
   failures += run_decode<float, 32, 64>("float32, head 32, decode", 1, 4, 1, 5, 90, 32, 3);
