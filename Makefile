@@ -23,8 +23,12 @@ $(INSTALLED): $(SOURCES)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $@
 
+# One pytest-xdist worker per core, up to 4 (TEST_WORKERS=0: all in this process); the tests that read the static GPU
+# report run in one worker (tests/conftest.py).
+TEST_WORKERS ?= auto
+
 test: $(INSTALLED)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup tests
 
 bench: $(INSTALLED)
 	$(PY) -m bench --quick

@@ -82,26 +82,47 @@ def time_row(dtype, shape, rounds, budget_s) -> dict:
     }
 
 
-def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capacity=4096, length=4000, dim=128):
+def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capacity=4096, length=4000, dim=128,
+                block_size=16):
     """One generation step through `attention_with_kvcache` (append one token, attend over the
-    sequence) against SDPA over the same sequence, already appended, sliced from the cache."""
+    sequence) against SDPA over the same sequence, already appended, sliced from the cache; the same
+    step over a paged copy of the cache (blocks of `block_size` keys in a shuffled order), read in place,
+    and over that copy's blocks gathered into a dense cache first (what a backend without a block
+    table does)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads_q, 1, dim, generator=generator).to(dtype)
-    k_cache, v_cache = (torch.randn(batch, capacity, heads_kv, dim, generator=generator).to(dtype).transpose(1, 2)
-                        for _ in range(2))
+    k_buffer, v_buffer = (torch.randn(batch, capacity, heads_kv, dim, generator=generator).to(dtype) for _ in range(2))
+    k_cache, v_cache = k_buffer.transpose(1, 2), v_buffer.transpose(1, 2)
     k_new, v_new = (torch.randn(batch, heads_kv, 1, dim, generator=generator).to(dtype) for _ in range(2))
     before = torch.full((batch,), length - 1, dtype=torch.int32)
     k_valid, v_valid = k_cache[:, :, :length], v_cache[:, :, :length]
+    max_blocks = capacity // block_size
+    block_table = torch.randperm(batch * max_blocks, generator=generator).view(batch, max_blocks).int()
+    k_blocks, v_blocks = (torch.empty(batch * max_blocks, block_size, heads_kv, dim, dtype=dtype) for _ in range(2))
+    k_blocks[block_table.long()] = k_buffer.unflatten(1, (max_blocks, block_size))
+    v_blocks[block_table.long()] = v_buffer.unflatten(1, (max_blocks, block_size))
+
+    def gathered():
+        keys, values = (blocks[block_table.long()].flatten(1, 2).transpose(1, 2) for blocks in (k_blocks, v_blocks))
+        return fused_attn.attention_with_kvcache(q, keys, values, k_new, v_new, cache_seqlens=before, backend="cpu")
+
     runs = {
         "kvcache": lambda: fused_attn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=before,
                                                              backend="cpu"),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k_valid, v_valid, enable_gqa=True),
+        "paged": lambda: fused_attn.attention_with_kvcache(q, k_blocks, v_blocks, k_new, v_new, cache_seqlens=before,
+                                                           block_table=block_table, backend="cpu"),
+        "gathered": gathered,
     }
     with torch.inference_mode():
+        dense = runs["kvcache"]()
+        for name in ("paged", "gathered"):  # the same attention, or the timing compares nothing
+            torch.testing.assert_close(runs[name](), dense)
         samples = timing.interleaved_samples(runs, rounds, warmup=3, budget_s=budget_s)
-    return {"rounds": len(samples["sdpa"]), "kvcache_us": statistics.median(samples["kvcache"]) * 1e6,
-            "sdpa_us": statistics.median(samples["sdpa"]) * 1e6,
-            "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["kvcache"])}
+    return {"rounds": len(samples["sdpa"]), **{f"{name}_us": statistics.median(samples[name]) * 1e6 for name in runs},
+            "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["kvcache"]),
+            "paged_vs_dense": timing.median_ratio(samples["paged"], samples["kvcache"]),
+            "gathered_vs_paged": timing.median_ratio(samples["gathered"], samples["paged"])}
 
 
 def main(argv=None) -> int:
@@ -124,14 +145,17 @@ def main(argv=None) -> int:
                   f"{row['copy_gb_s']:.1f} | {row['rounds']} |", flush=True)
     print()
     print("attention_with_kvcache, B=1, H_q=32, H_kv=8, D=128, one token appended to 3999 of a 4096-key cache "
-          "(a (B, L_max, H_kv, D) buffer), against SDPA over the 4000 keys sliced from it:")
+          "(a (B, L_max, H_kv, D) buffer), against SDPA over the 4000 keys sliced from it; the same step over a paged "
+          "copy (16-key blocks, shuffled), read in place and gathered first:")
     print()
-    print("| dtype | kvcache µs | SDPA µs | SDPA / kvcache | rounds |")
-    print("|---|---|---|---|---|")
+    print("| dtype | kvcache µs | SDPA µs | SDPA / kvcache | paged µs | paged / dense | gathered µs | gathered / paged "
+          "| rounds |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.dtypes:
         row = kvcache_row(DTYPES[name], args.rounds, args.budget)
-        print(f"| {name} | {row['kvcache_us']:.0f} | {row['sdpa_us']:.0f} | {row['vs_sdpa']:.2f} | {row['rounds']} |",
-              flush=True)
+        print(f"| {name} | {row['kvcache_us']:.0f} | {row['sdpa_us']:.0f} | {row['vs_sdpa']:.2f} | "
+              f"{row['paged_us']:.0f} | {row['paged_vs_dense']:.2f} | {row['gathered_us']:.0f} | "
+              f"{row['gathered_vs_paged']:.2f} | {row['rounds']} |", flush=True)
     return 0
 
 

@@ -8,9 +8,9 @@ alignment, windows and ALiBi distances are counted within the sequence.
 How the backends see it (`Backend.forward_varlen`, for those that declare `takes_varlen`): the cpu
 and reference backends run their ordinary kernels on each sequence's strided `(1, H, L, D)` view of
 the packed tensors in turn, reading and writing the packed storage in place, the bounds read on the
-host (fused_attn.backends.packed); the triton kernels read each sequence's bounds themselves, one
-launch for the whole batch, with no host synchronisation when `max_seqlen_q/k` are given (their grid
-is made for them; otherwise they are read from the lengths).
+host (fused_attn.backends.packed); the triton and cuda kernels read each sequence's bounds
+themselves, one launch per kernel for the whole batch, with no host synchronisation when
+`max_seqlen_q/k` are given (their grid is made for them; otherwise they are read from the lengths).
 
 Dropout: the call draws one (seed, offset); sequence b drops the elements that a one-sequence call
 with (seed, offset + b) drops (fused_attn.dropout), so sequences never share a random stream.
@@ -193,8 +193,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             allowed (a sequence without keys gives 0, lse -inf). Their values are checked on the
             device (on a GPU, asynchronously: a device-side assertion ahead of the kernels).
         max_seqlen_q, max_seqlen_k: the longest sequence, or None. Given, they are checked on the
-            device (asynchronously on a GPU), and the triton kernels' grid is made for them; omitted,
-            the triton backend reads them from the lengths (a host synchronisation on a GPU).
+            device (asynchronously on a GPU), and the triton and cuda kernels' grid is made for them;
+            omitted, those backends read them from the lengths (a host synchronisation on a GPU).
         dropout_p, is_causal, scale, causal_alignment, window_size, softcap, generator: as in
             `fused_attn.attention`, positions counted within each sequence ("bottom_right" aligns
             each sequence's last query with its last key).

@@ -16,6 +16,9 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "static_gpu_report" in getattr(item, "fixturenames", ()):
+            item.add_marker(STATIC_REPORT_GROUP)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
@@ -32,12 +35,17 @@ def generator():
 
 # The static GPU report compiles for minutes in a child process of its own. It starts as soon as the
 # collected tests are known to need it, so that it compiles beside the tests (mostly one busy thread,
-# the interpreter's) instead of after them.
+# the interpreter's) instead of after them. Under pytest-xdist every worker collects every test, and the
+# tests that read the report run in one worker (the `static_gpu_report` xdist_group, `--dist loadgroup`):
+# that worker starts it when the first of them asks, and the others never do.
 _pending_report = None
+STATIC_REPORT_GROUP = pytest.mark.xdist_group("static_gpu_report")
 
 
 def pytest_collection_finish(session):
     global _pending_report
+    if hasattr(session.config, "workerinput"):  # an xdist worker
+        return
     if any("static_gpu_report" in getattr(item, "fixturenames", ()) for item in session.items) \
             and not session.config.option.collectonly:
         from bench import inspect
