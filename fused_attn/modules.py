@@ -1,6 +1,9 @@
-"""`MultiheadAttention`, a drop-in for `torch.nn.MultiheadAttention`, and `replace_attention`."""
+"""`MultiheadAttention`, a drop-in for `torch.nn.MultiheadAttention`, `TransformerEncoderLayer`, and
+`replace_attention`."""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -200,17 +203,97 @@ class MultiheadAttention(nn.MultiheadAttention):
         return reference.probabilities(scores)
 
 
+class TransformerEncoderLayer(nn.TransformerEncoderLayer):
+    """`torch.nn.TransformerEncoderLayer` whose self-attention always runs through `self_attn`.
+
+    In inference PyTorch's layer takes a fast path, `torch._transformer_encoder_layer_fwd`, that reads
+    `self_attn`'s weights and never calls it; this layer always takes the regular path (the same norms,
+    feed-forward block and dropouts as nn's), so a fused `self_attn` runs. Constructed directly, its
+    `self_attn` is a fused `MultiheadAttention` (`backend` as there); `replace_attention` gives existing
+    nn layers this class. Parameters, state dicts and the forward signature are nn's.
+
+    Nested tensors: `nn.TransformerEncoder` in inference with a `src_key_padding_mask` may hand its
+    layers a nested tensor of the unpadded sequences, and returns zeros at the padded positions of
+    its output (before its final `norm`). This layer takes that nested tensor, attends on its padded
+    form with the padding hidden, and returns a nested tensor of the same sequences, so the encoder
+    decides as PyTorch decides, and its output keeps PyTorch's convention exactly. The feed-forward
+    block then runs on padded positions too (PyTorch's nested path skips them).
+
+    Where PyTorch's fast path departs from its own regular path, this layer gives the regular path's
+    result: a float mask is added to the scores (the fast path treats it as bool, any non-zero value
+    hiding its key: pytorch/pytorch#118628), and `is_causal=True` is honoured without a `src_mask`
+    (the fast path drops the hint). A query that sees no key gives 0, as `MultiheadAttention` does.
+    """
+
+    def __init__(self, *args, backend: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        _fuse(self.self_attn, backend)
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if src.is_nested:
+            return self._forward_nested(src, src_mask, src_key_padding_mask, is_causal)
+        # The masks go to self_attn as given: it reads bool masks as they are, where nn's layer would
+        # first turn them into additive float masks.
+        x = src
+        if self.norm_first:
+            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+        return self.norm2(x + self._ff_block(x))
+
+    def _forward_nested(self, src, src_mask, src_key_padding_mask, is_causal):
+        """A nested (B, L_b, E) batch: padded, attended with the padding hidden, nested again."""
+        if src_mask is not None or src_key_padding_mask is not None:
+            raise ValueError("src: a nested tensor takes neither src_mask nor src_key_padding_mask "
+                             "(its sequences' lengths are its padding)")
+        if not self.self_attn.batch_first:
+            raise ValueError("src: a nested tensor needs a layer with batch_first=True")
+        lengths = [len(sequence) for sequence in src.unbind()]
+        padded = src.to_padded_tensor(0.0)
+        positions = torch.arange(padded.shape[1], device=padded.device)
+        padding = positions >= torch.tensor(lengths, device=padded.device)[:, None]
+        out = self.forward(padded, None, padding, is_causal)
+        return torch.nested.as_nested_tensor([row[:length] for row, length in zip(out, lengths)])
+
+
+def _fuse(module: nn.MultiheadAttention, backend: str | None) -> None:
+    """Makes an nn.MultiheadAttention a fused one, in place (same object, parameters and hooks)."""
+    if module.head_dim * module.num_heads != module.embed_dim:
+        raise ValueError(f"model: embed_dim {module.embed_dim} of an attention module is not "
+                         f"a multiple of num_heads={module.num_heads}")
+    module.__class__ = MultiheadAttention
+    module.backend = backend
+
+
 def replace_attention(model: nn.Module, backend: str | None = None) -> nn.Module:
     """Makes every `nn.MultiheadAttention` in `model` (itself included) a fused one, in place.
 
     The modules stay the same objects, with the same parameters, buffers and hooks, so optimizers,
-    state dicts and references to them are unaffected. Returns `model`.
+    state dicts (keys and shapes are PyTorch's), pickling and references to them are unaffected.
+    Returns `model`.
+
+    Every `nn.TransformerEncoderLayer` (exactly that class) becomes a fused_attn
+    `TransformerEncoderLayer`, whose forward never takes PyTorch's inference fast path
+    (`torch._transformer_encoder_layer_fwd`, which would bypass its attention module): so in `eval()`
+    under `no_grad` too, `nn.TransformerEncoder`, `nn.Transformer` and bare layers run the fused
+    kernels. Where `nn.TransformerEncoder` would use nested tensors (`enable_nested_tensor` with a
+    `src_key_padding_mask`), it still does, and its output is PyTorch's: zeros at the padded positions
+    (before its final `norm`), computed values elsewhere. A float `src_mask` is additive, as on
+    PyTorch's regular path (its fast path misreads one that is not 0/-inf; see
+    `TransformerEncoderLayer`). `nn.TransformerDecoderLayer` has no fast path.
+
+    A subclass of `nn.TransformerEncoderLayer` keeps its class, hence its forward; it gets a warning,
+    since whatever reaches nn's forward in inference runs PyTorch's fast path unless
+    `torch.backends.mha.set_fastpath_enabled(False)`.
     """
     for module in model.modules():
+        if type(module) is nn.TransformerEncoderLayer:
+            module.__class__ = TransformerEncoderLayer
+        elif isinstance(module, nn.TransformerEncoderLayer) and not isinstance(module, TransformerEncoderLayer):
+            warnings.warn(f"model: {type(module).__qualname__} subclasses nn.TransformerEncoderLayer and keeps "
+                          f"its forward; in inference nn.TransformerEncoderLayer.forward takes PyTorch's fast "
+                          f"path, which bypasses the fused attention (torch.backends.mha.set_fastpath_enabled"
+                          f"(False) turns it off)", stacklevel=2)
         if isinstance(module, nn.MultiheadAttention) and not isinstance(module, MultiheadAttention):
-            if module.head_dim * module.num_heads != module.embed_dim:
-                raise ValueError(f"model: embed_dim {module.embed_dim} of an attention module is not "
-                                 f"a multiple of num_heads={module.num_heads}")
-            module.__class__ = MultiheadAttention
-            module.backend = backend
+            _fuse(module, backend)
     return model
