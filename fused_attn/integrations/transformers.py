@@ -1,0 +1,166 @@
+"""fused_attn as a Hugging Face transformers attention implementation.
+
+    from fused_attn.integrations import transformers as fused_transformers
+
+    fused_transformers.register()  # as "fused_attn"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="fused_attn")
+    # or, on a model already built: model.set_attn_implementation("fused_attn")
+
+`register` installs two functions under one name: the attention function (`AttentionInterface`) and
+the mask builder (`AttentionMaskInterface`). transformers builds no mask at all for an
+implementation that has no mask builder, so registering the attention function alone would run
+padded batches unmasked.
+
+The mask builder keeps masks small. The patterns the kernels compute themselves — causal with its
+last query on the last key, with or without a sliding window, and bidirectional — become key padding
+((B, L_k) bool, True = attend, or None when nothing is padded; bidirectional as a (B, 1, 1, L_k) view),
+and the attention function runs them as bottom-right causal with `window_size=(sliding_window - 1, 0)`
+and key padding in the kernel. As with flash_attention_2, the window comes from the `sliding_window`
+the module passes. Every other pattern (custom or/and mask functions, packed sequences found from
+position ids, chunked attention, a static cache whose queries do not end on its last slot) is built
+as transformers builds it for `sdpa`, a (B, 1, L_q, L_k) bool mask, and read by the kernels.
+
+Passed through: `scaling`, `dropout` (in training), `softcap`, GQA (key/value heads are never
+repeated), `position_bias` (added to the scores), decode steps against a cache (the decode kernels
+run). Refused: attention sinks (`s_aux`). Attention weights are not returned (None), as with sdpa.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function, causal_mask_function,
+                                        sdpa_mask)
+
+from .. import functional
+from ..backends import registry
+
+DEFAULT_NAME = "fused_attn"
+
+
+def register(name: str = DEFAULT_NAME, backend: str | None = None) -> str:
+    """Registers fused_attn with transformers as `attn_implementation=name` and returns the name.
+
+    `backend` pins a fused_attn backend (a name from `fused_attn.available_backends()`); None chooses
+    per call. Registering again under the same name replaces the earlier registration.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name: expected a non-empty string, got {name!r}")
+    if backend is not None and backend not in registry.available_backends():
+        raise ValueError(f"backend: expected None or one of {registry.available_backends()}, got {backend!r}")
+    AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
+    AttentionMaskInterface.register(name, build_mask)
+    return name
+
+
+# --- masks -------------------------------------------------------------------------------------
+
+
+def _and_parts(mask_function) -> tuple:
+    """The functions combined by transformers' `and_masks`, or () for any other function."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return ()
+    return tuple(inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ()))
+
+
+def _is_causal_pattern(mask_function) -> bool:
+    """Causal, or causal within a sliding window (whose size the attention call receives)."""
+    if mask_function is causal_mask_function:
+        return True
+    parts = _and_parts(mask_function)
+    return (len(parts) == 2 and parts[1] is causal_mask_function
+            and getattr(parts[0], "__qualname__", "") == "sliding_window_overlay.<locals>.inner_mask")
+
+
+def _ends_aligned(q_offset, q_length: int, kv_offset, kv_length: int) -> bool:
+    """Whether the last query sits on the last key (bottom-right causal). A tensor offset (a static
+    cache) is not read, so that building the mask never waits for the device."""
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
+        return False
+    return q_offset + q_length == kv_offset + kv_length
+
+
+def _key_padding(attention_mask, kv_length: int, kv_offset: int):
+    """The (B, kv_length) slice of transformers' 2-D mask (True = attend) that the keys use."""
+    if attention_mask is None:
+        return None
+    missing = kv_offset + kv_length - attention_mask.shape[-1]
+    if missing > 0:  # as transformers: keys past the mask's end are hidden
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, missing))
+    return attention_mask[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+
+
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+               mask_function=causal_mask_function, attention_mask=None, allow_is_causal_skip: bool = True,
+               use_vmap: bool = False, **kwargs):
+    """transformers' mask builder for fused_attn (the module docstring says what it returns)."""
+    if _is_causal_pattern(mask_function) and allow_is_causal_skip and not use_vmap \
+            and _ends_aligned(q_offset, q_length, kv_offset, kv_length):
+        padding = _key_padding(attention_mask, kv_length, kv_offset)
+        if padding is not None and not torch.compiler.is_compiling() and bool(padding.all()):
+            return None
+        return padding
+    if mask_function is bidirectional_mask_function and not use_vmap:
+        padding = _key_padding(attention_mask, kv_length, kv_offset)
+        if padding is None:
+            padding = torch.ones((), dtype=torch.bool, device=kwargs.get("device", "cpu"))
+        return padding.expand(batch_size, kv_length)[:, None, None, :]
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, **kwargs)
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def _warn_no_weights() -> None:
+    warnings.warn("fused_attn does not return attention weights (output_attentions=True gives None); "
+                  "use attn_implementation='eager' to get them", stacklevel=3)
+
+
+def _with_position_bias(mask, position_bias):
+    """An additive bias on top of a 4-D mask (bool True = attend, or additive)."""
+    if mask is None:
+        return position_bias
+    if mask.dtype == torch.bool:
+        return position_bias.masked_fill(~mask, float("-inf"))
+    return position_bias + mask
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None, position_bias: torch.Tensor | None = None,
+                      backend: str | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function: query (B, H_q, L_q, D), key and value (B, H_kv, L_k, D),
+    `attention_mask` as `build_mask` returns it. Returns ((B, L_q, H_q, D_v), None)."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("s_aux: attention sinks are not supported by fused_attn; "
+                                  "use attn_implementation='eager' for this model")
+    if kwargs.get("output_attentions"):
+        _warn_no_weights()
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    key_padding_mask = window = None
+    if attention_mask is None or attention_mask.dim() == 2:
+        # A pattern build_mask left to the kernels: the module says whether it is causal.
+        if attention_mask is not None:
+            key_padding_mask = ~attention_mask
+        if is_causal and sliding_window is not None:
+            window = (sliding_window - 1, 0)
+        mask = None
+    else:
+        mask, is_causal = attention_mask, False
+        if mask.is_floating_point() and mask.dtype != query.dtype:
+            mask = mask.to(query.dtype)
+    if position_bias is not None:
+        mask = _with_position_bias(mask, position_bias.to(query.dtype))
+    out = functional.attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=bool(is_causal),
+                               scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+                               key_padding_mask=key_padding_mask, backend=backend,
+                               causal_alignment="bottom_right", window_size=window, softcap=softcap)
+    return out.transpose(1, 2), None

@@ -1,0 +1,252 @@
+"""Hugging Face transformers models on fused_attn (fused_attn.integrations.transformers), built from
+small configs with random weights: logits and one training step's gradients against `eager` by the
+project's criterion (eager's definition in float64 is exact, eager in the test's dtype sets the
+allowed error), and
+greedy generation equal to `sdpa`'s (`eager`'s where sdpa refuses the model)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fused_attn import testing  # noqa: E402
+from fused_attn.integrations import transformers as fused_transformers  # noqa: E402
+
+NAME = fused_transformers.register()
+ORACLE = "float64_oracle"
+VOCAB, LENGTH = 96, 14
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=128, attention_dropout=0.0)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(num_key_value_heads=2, **COMMON),
+    "mistral": lambda: transformers.MistralConfig(num_key_value_heads=2, sliding_window=5, **COMMON),
+    "gemma2": lambda: transformers.Gemma2Config(num_key_value_heads=1, head_dim=16, sliding_window=5,
+                                                attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                                query_pre_attn_scalar=16, **COMMON),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+}
+# What each model's generation is compared with: sdpa refuses softcap.
+GENERATE_BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt2": "sdpa"}
+
+
+def build(name: str, attn_implementation: str = "eager"):
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def padded_batch(generator, side: str = "left", batch: int = 3, length: int = LENGTH):
+    """Token ids and a 2-D attention mask: one row unpadded, the others padded on `side` by different
+    amounts."""
+    ids = torch.randint(0, VOCAB, (batch, length), generator=generator)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    for row in range(1, batch):
+        attention_mask[row, slice(None, row * 3) if side == "left" else slice(length - row * 3, None)] = 0
+    return ids, attention_mask
+
+
+def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                     **kwargs):
+    """The float64 oracle: eager's definition on transformers' own bool mask, in float64 throughout,
+    with rows that see no key giving 0. (eager itself softmaxes float64 scores in float32, where its
+    float64 mask minimum becomes -inf: rows that see no key turn into NaN.)"""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.einsum("bhid,bhjd->bhij", query.double(), key.double()) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhij,bhjd->bhid", weights, value.double()).to(query.dtype)
+    return out.transpose(1, 2), None
+
+
+transformers.AttentionInterface.register(ORACLE, oracle_attention)
+transformers.masking_utils.AttentionMaskInterface.register(
+    ORACLE, lambda *args, **kwargs: transformers.masking_utils.sdpa_mask(
+        *args, **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False}))
+
+
+class CallLog:
+    """Spies on the integration's calls of fused_attn.attention: each call's keyword arguments and
+    query length."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = fused_transformers.functional.attention
+
+        def spy(*args, **kwargs):
+            self.calls.append(dict(kwargs, query_length=args[0].shape[2]))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(fused_transformers.functional, "attention", spy)
+
+
+def assert_close(actual, exact, same_dtype, dtype, name="logits"):
+    error = testing.max_error(actual, exact)
+    allowed = testing.allowed_error(name, exact, same_dtype, dtype)
+    assert error <= allowed, f"{name}: error {error:.3e} > allowed {allowed:.3e}"
+
+
+def logits_of(model, implementation, dtype, ids, attention_mask):
+    model = copy.deepcopy(model).to(dtype)
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return model(ids, attention_mask=attention_mask).logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_prefill_logits_match_eager(monkeypatch, generator, name, side, dtype):
+    model = build(name)
+    ids, attention_mask = padded_batch(generator, side)
+    exact = logits_of(model, ORACLE, torch.float64, ids, attention_mask)
+    same_dtype = logits_of(model, "eager", dtype, ids, attention_mask)
+    log = CallLog(monkeypatch)
+    actual = logits_of(model, NAME, dtype, ids, attention_mask)
+    valid = attention_mask.bool()  # padded positions attend to nothing; their logits are not defined
+    assert_close(actual[valid], exact[valid], same_dtype[valid], dtype)
+    # One call per layer, causal in-kernel with key padding: no (L_q, L_k) mask was built.
+    assert len(log.calls) == model.config.num_hidden_layers
+    for call in log.calls:
+        assert call["attn_mask"] is None and call["is_causal"] and call["causal_alignment"] == "bottom_right"
+        assert call["key_padding_mask"] is not None
+    windows = [call["window_size"] for call in log.calls]
+    if name == "mistral":
+        assert windows == [(4, 0), (4, 0)]
+    elif name == "gemma2":
+        assert sorted(windows, key=str) == sorted([(4, 0), None], key=str)
+        assert all(call["softcap"] == 2.0 for call in log.calls)
+    else:
+        assert windows == [None, None]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_generation_matches(monkeypatch, generator, name):
+    model = build(name)
+    ids, attention_mask = padded_batch(generator)
+    tokens = {}
+    for implementation in (GENERATE_BASELINE[name], NAME):
+        model.set_attn_implementation(implementation)
+        log = CallLog(monkeypatch)
+        tokens[implementation] = model.generate(ids, attention_mask=attention_mask, max_new_tokens=8,
+                                                min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens[NAME], tokens[GENERATE_BASELINE[name]])
+    # Prefill, then one call per layer per new token with a single query against the cache.
+    layers = model.config.num_hidden_layers
+    assert [call["query_length"] for call in log.calls] == [LENGTH] * layers + [1] * (7 * layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2"])
+def test_training_step_gradients_match_eager(generator, name, dtype):
+    model = build(name).train()
+    ids, attention_mask = padded_batch(generator)
+    labels = ids.masked_fill(attention_mask == 0, -100)
+
+    def gradients(implementation, dtype):
+        trained = copy.deepcopy(model).to(dtype)
+        trained.set_attn_implementation(implementation)
+        trained(ids, attention_mask=attention_mask, labels=labels).loss.backward()
+        return {name: parameter.grad for name, parameter in trained.named_parameters() if parameter.grad is not None}
+
+    exact, same_dtype, actual = gradients(ORACLE, torch.float64), gradients("eager", dtype), gradients(NAME, dtype)
+    assert actual.keys() == exact.keys()
+    for parameter in exact:
+        assert_close(actual[parameter], exact[parameter], same_dtype[parameter], dtype, name=parameter)
+
+
+def test_training_passes_dropout_to_the_kernels(monkeypatch, generator):
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config.attention_dropout = 0.25
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME)
+    ids, attention_mask = padded_batch(generator)
+    log = CallLog(monkeypatch)
+    model.train()(ids, attention_mask=attention_mask)
+    model.eval()(ids, attention_mask=attention_mask)
+    assert [call["dropout_p"] for call in log.calls] == [0.25, 0.25, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bert_with_padding_matches_eager(monkeypatch, generator, dtype):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=96, max_position_embeddings=64,
+                                     attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    ids = torch.randint(0, VOCAB, (3, LENGTH), generator=generator)
+    attention_mask = torch.ones(3, LENGTH, dtype=torch.long)
+    attention_mask[1, -4:] = 0
+    attention_mask[2, -9:] = 0
+
+    def hidden(implementation, dtype):
+        encoder = copy.deepcopy(model).to(dtype)
+        encoder.set_attn_implementation(implementation)
+        with torch.no_grad():
+            return encoder(ids, attention_mask=attention_mask).last_hidden_state
+
+    exact, same_dtype = hidden(ORACLE, torch.float64), hidden("eager", dtype)
+    log = CallLog(monkeypatch)
+    # Padded queries still attend to the unpadded keys, so every position is compared.
+    assert_close(hidden(NAME, dtype), exact, same_dtype, dtype, name="last_hidden_state")
+    assert len(log.calls) == 2 and all(not call["is_causal"] for call in log.calls)
+    # The padding reaches the kernels as a (B, 1, 1, L_k) view, never as an (L_q, L_k) mask.
+    assert all(call["attn_mask"].shape == (3, 1, 1, LENGTH) for call in log.calls)
+
+
+def test_unrecognised_mask_patterns_are_built_and_read(monkeypatch, generator):
+    """Packed sequences (found from position ids) are not a pattern the kernels compute themselves:
+    the mask is built in full, as for sdpa, and the results still match eager."""
+    model = build("llama")
+    ids = torch.randint(0, VOCAB, (1, LENGTH), generator=generator)
+    position_ids = torch.cat([torch.arange(6), torch.arange(LENGTH - 6)])[None]
+
+    def logits(implementation, dtype):
+        packed = copy.deepcopy(model).to(dtype)
+        packed.set_attn_implementation(implementation)
+        with torch.no_grad():
+            return packed(ids, position_ids=position_ids, use_cache=False).logits
+
+    log = CallLog(monkeypatch)
+    assert_close(logits(NAME, torch.float32), logits(ORACLE, torch.float64), logits("eager", torch.float32),
+                 torch.float32)
+    assert all(call["attn_mask"].shape == (1, 1, LENGTH, LENGTH) and not call["is_causal"] for call in log.calls)
+
+
+def test_registration_errors_and_refusals():
+    with pytest.raises(ValueError, match="backend"):
+        fused_transformers.register(backend="no_such_backend")
+    with pytest.raises(ValueError, match="name"):
+        fused_transformers.register(name="")
+    query = torch.randn(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        fused_transformers.attention_forward(torch.nn.Module(), query, query, query, None,
+                                             s_aux=torch.zeros(2))
+
+
+def test_pinned_backend(monkeypatch, generator):
+    name = fused_transformers.register("fused_attn_reference", backend="reference")
+    model = build("llama", name)
+    log = CallLog(monkeypatch)
+    ids, attention_mask = padded_batch(generator)
+    with torch.no_grad():
+        model(ids, attention_mask=attention_mask)
+    assert [call["backend"] for call in log.calls] == ["reference", "reference"]
+
+
+def test_importing_fused_attn_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, fused_attn; print('transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
+        == "False"
