@@ -4,7 +4,7 @@ from .backends.registry import BackendError, available_backends, use_backend
 from .functional import attention, split_heads_attention
 from .kvcache import attention_with_kvcache
 from .modules import MultiheadAttention, replace_attention
-from .redirect import redirect_sdpa
+from .integrations.sdpa import redirect_sdpa
 from .varlen import attention_varlen
 
 __version__ = "0.1.0"

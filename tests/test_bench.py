@@ -280,3 +280,15 @@ def test_varlen_bench_compares_the_same_attention(causal):
         assert len(run()) == 3, name
     assert varlen_bench.work_ratio([4, 4], causal) == 1.0
     assert varlen_bench.work_ratio([2, 4], False) == (4 * 2 + 4 * 4) / (2 * 2 + 4 * 4)
+
+
+def test_models_bench_on_a_short_prompt(capsys):
+    pytest.importorskip("transformers")
+    from bench import models
+
+    assert models.main(["--length", "24", "--new-tokens", "2", "--rounds", "2", "--dtypes", "fp32"]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith("| fp32")]
+    assert [row.split("|")[2:4] for row in rows] == [
+        [f" {phase} ", f" {name} "] for phase in ("prefill", "decode") for name in ("sdpa", "fused_attn", "eager")]
+    assert all(row.rstrip().endswith("| yes |") for row in rows)

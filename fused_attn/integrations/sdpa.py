@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
-from .backends import registry
-from .backends.reference import ReferenceBackend
-from .functional import _check_inputs, _check_options, _mask_view, attention
-from .problem import Problem
-from .scores import causal_bias_variant, variant_of
-from .varlen import _check_packed, _packed_of
+from ..backends import registry
+from ..backends.reference import ReferenceBackend
+from ..functional import _check_inputs, _check_options, _mask_view, attention
+from ..problem import Problem
+from ..scores import causal_bias_variant, variant_of
+from ..varlen import _check_packed, _packed_of
 
 _POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
