@@ -11,7 +11,9 @@ run in one process with the same weights, inputs and threads, under inference mo
 On the CPU the implementations are timed interleaved, the order rotating per round (bench.timing);
 the ratio column is the median over rounds of sdpa's time over the row's. On a GPU each is timed by
 `triton.testing.do_bench`. Before timing, the greedy tokens of every implementation are compared with
-sdpa's.
+sdpa's; the exit status is 1 if they differ in fp32. In bf16 and fp16 the implementations round
+differently, and a greedy choice between two nearly equal logits may go either way (eager's choices
+differ from sdpa's too): there the column informs and the tests (tests/test_transformers.py) judge.
 
     python -m bench.models [--length 2048] [--new-tokens 32] [--dtypes fp32 bf16] [--rounds 5]
                            [--device cpu|cuda]
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
     for dtype_name in dtypes:
         rows.extend(rows_for(dtype_name, args.length, args.new_tokens, args.rounds, device, implementations))
     print(format_rows(rows))
-    return 0 if all(row["same_tokens"] for row in rows) else 1
+    return 0 if all(row["same_tokens"] for row in rows if row["dtype"] == "fp32") else 1
 
 
 if __name__ == "__main__":
