@@ -217,8 +217,10 @@ def test_unrecognised_mask_patterns_are_built_and_read(monkeypatch, generator):
             return packed(ids, position_ids=position_ids, use_cache=False).logits
 
     log = CallLog(monkeypatch)
-    assert_close(logits(NAME, torch.float32), logits(ORACLE, torch.float64), logits("eager", torch.float32),
-                 torch.float32)
+    fused_transformers._note_full_mask.cache_clear()
+    with pytest.warns(UserWarning, match="built in full"):
+        actual = logits(NAME, torch.float32)
+    assert_close(actual, logits(ORACLE, torch.float64), logits("eager", torch.float32), torch.float32)
     assert all(call["attn_mask"].shape == (1, 1, LENGTH, LENGTH) and not call["is_causal"] for call in log.calls)
 
 
@@ -250,3 +252,28 @@ def test_importing_fused_attn_does_not_import_transformers():
     code = "import sys, fused_attn; print('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() \
         == "False"
+
+
+def test_from_pretrained_with_the_registered_name(tmp_path, monkeypatch, generator):
+    build("mistral").save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME).eval()
+    assert model.config._attn_implementation == NAME
+    log = CallLog(monkeypatch)
+    ids, attention_mask = padded_batch(generator)
+    with torch.no_grad():
+        model(ids, attention_mask=attention_mask)
+    assert len(log.calls) == model.config.num_hidden_layers
+
+
+def test_static_cache_generation_matches_sdpa(monkeypatch, generator):
+    """A static cache's queries do not end on its last slot: the mask is built in full and read."""
+    model = build("llama")
+    ids, attention_mask = padded_batch(generator)
+    tokens = {}
+    for implementation in ("sdpa", NAME):
+        model.set_attn_implementation(implementation)
+        log = CallLog(monkeypatch)
+        tokens[implementation] = model.generate(ids, attention_mask=attention_mask, max_new_tokens=5, min_new_tokens=5,
+                                                do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(tokens[NAME], tokens["sdpa"])
+    assert log.calls and all(call["attn_mask"] is not None for call in log.calls)

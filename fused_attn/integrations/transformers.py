@@ -94,6 +94,14 @@ def _key_padding(attention_mask, kv_length: int, kv_offset: int):
     return attention_mask[:, kv_offset:kv_offset + kv_length].to(torch.bool)
 
 
+@functools.cache
+def _note_full_mask() -> None:
+    warnings.warn("fused_attn: this model's mask pattern is not one the kernels compute themselves (custom or "
+                  "packed-sequence masks, chunked attention, or a static cache whose queries do not end on "
+                  "its last slot); it is built in full as for sdpa, (B, 1, L_q, L_k), and read by the kernels",
+                  stacklevel=3)
+
+
 def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
                mask_function=causal_mask_function, attention_mask=None, allow_is_causal_skip: bool = True,
                use_vmap: bool = False, **kwargs):
@@ -109,6 +117,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         if padding is None:
             padding = torch.ones((), dtype=torch.bool, device=kwargs.get("device", "cpu"))
         return padding.expand(batch_size, kv_length)[:, None, None, :]
+    _note_full_mask()
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, **kwargs)
