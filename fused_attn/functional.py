@@ -43,17 +43,19 @@ def _check_inputs(query, key, value, enable_gqa: bool) -> None:
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, tensor, 4, "(B, H, L, D)")
     check_dtypes_and_devices(query, key, value)
-    for name, tensor in (("key", key), ("value", value)):
-        _check_same(name, "batch size", query.shape[0], tensor.shape[0])
-    if value.shape[1] != key.shape[1]:
-        raise ValueError(f"value: expected {key.shape[1]} heads (as key), got {value.shape[1]}")
-    if value.shape[2] != key.shape[2]:
-        raise ValueError(f"value: expected length {key.shape[2]} (as key), got {value.shape[2]}")
-    _check_same("key", "head dim", query.shape[3], key.shape[3])
-    for name, tensor in (("query", query), ("value", value)):
-        if tensor.shape[3] < 1:
-            raise ValueError(f"{name}: expected a head dim of at least 1, got shape {tuple(tensor.shape)}")
-    heads_q, heads_kv = query.shape[1], key.shape[1]
+    # Each shape read once: a torch.Size is built at every `.shape`, and this runs on every call.
+    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
+    _check_same("key", "batch size", q_shape[0], k_shape[0])
+    _check_same("value", "batch size", q_shape[0], v_shape[0])
+    if v_shape[1] != k_shape[1]:
+        raise ValueError(f"value: expected {k_shape[1]} heads (as key), got {v_shape[1]}")
+    if v_shape[2] != k_shape[2]:
+        raise ValueError(f"value: expected length {k_shape[2]} (as key), got {v_shape[2]}")
+    _check_same("key", "head dim", q_shape[3], k_shape[3])
+    for name, shape in (("query", q_shape), ("value", v_shape)):
+        if shape[3] < 1:
+            raise ValueError(f"{name}: expected a head dim of at least 1, got shape {tuple(shape)}")
+    heads_q, heads_kv = q_shape[1], k_shape[1]
     if heads_q != heads_kv and not enable_gqa:
         raise ValueError(f"key: expected {heads_q} heads (as query), got {heads_kv}; "
                          "pass enable_gqa=True for grouped-query attention")
@@ -218,7 +220,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         (B, H_q, L_q, D_v) in query's dtype, or (output, lse) when `return_lse`. A row that sees
         no key gives 0 and lse -inf.
     """
-    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
+    # Written out rather than as any(...) over a generator: this runs on every call.
+    if getattr(query, "is_nested", False) or getattr(key, "is_nested", False) or getattr(value, "is_nested", False):
         from .varlen import nested_attention  # it builds on this module
 
         return nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,

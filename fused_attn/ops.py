@@ -29,14 +29,20 @@ def _dropout(dropout_p: float, dropout_rng: Optional[Tensor], query: Tensor) -> 
     return Dropout(dropout_p, dropout_rng)
 
 
+def _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout, seq_first, backend,
+                 variant):
+    out = output_like(query, value.shape[-1], seq_first)
+    lse = registry.get(backend).forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
+                                        dropout, variant)
+    return out, lse
+
+
 def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
              seq_first, backend, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0,
              alibi_slopes=None):
-    out = output_like(query, value.shape[-1], seq_first)
-    variant = from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes)
-    lse = registry.get(backend).forward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                        scale, out, _dropout(dropout_p, dropout_rng, query), variant)
-    return out, lse
+    return _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                        _dropout(dropout_p, dropout_rng, query), seq_first, backend,
+                        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes))
 
 
 @torch.library.custom_op("fused_attn::attention_fwd", mutates_args=())
@@ -63,17 +69,20 @@ def needs_op(*tensors: Optional[Tensor]) -> bool:
             or torch._C._functorch.peek_interpreter_stack() is not None):
         return True
     grad = torch.is_grad_enabled()
-    return any(t is not None and (type(t) is not Tensor or (grad and t.requires_grad)) for t in tensors)
+    for t in tensors:  # a loop, not any(...) over a generator: this runs on every call
+        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
+            return True
+    return False
 
 
 def attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
               seq_first, backend, variant):
     """`attention_fwd`, called as the op where `needs_op`, else as its body: same result."""
-    args = (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
-            seq_first, backend, *variant.op_args())
     if needs_op(query, key, value, attn_mask, key_padding_mask, variant.alibi_slopes):
-        return attention_fwd(*args)
-    return _forward(*args)
+        return attention_fwd(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
+                             dropout_rng, seq_first, backend, *variant.op_args())
+    return _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                        _dropout(dropout_p, dropout_rng, query), seq_first, backend, variant)
 
 
 @attention_fwd.register_fake

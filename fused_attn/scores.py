@@ -114,8 +114,16 @@ def _alibi(alibi_slopes, query: torch.Tensor) -> torch.Tensor | None:
     return alibi_slopes.expand(batch, heads)
 
 
+# The variants of calls that set nothing but the alignment, made once: most calls are these.
+_UNVARIED = {"top_left": PLAIN, "bottom_right": ScoreVariant(bottom_right=True)}
+
+
 def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap, alibi_slopes) -> ScoreVariant:
     """Checks the public keywords and makes the call's ScoreVariant."""
+    if window_size is None and softcap is None and alibi_slopes is None and type(causal_alignment) is str:
+        unvaried = _UNVARIED.get(causal_alignment)
+        if unvaried is not None:
+            return unvaried
     if causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS}, got {causal_alignment!r}")
     left, right = _window(window_size)

@@ -47,7 +47,10 @@ class Backend:
         return []
 
     def refusals(self, problem: Problem) -> list[str]:
-        """Every reason this backend cannot run `problem`; empty when it can."""
+        """Every reason this backend cannot run `problem`; empty when it can.
+
+        For the devices in `devices`, the answer may depend only on the problem and on what was found
+        at import (the registry remembers its automatic choices)."""
         reasons = self.device_refusals(problem)
         if problem.dtype not in self.dtypes:
             names = ", ".join(str(dtype).removeprefix("torch.") for dtype in self.dtypes)

@@ -37,8 +37,16 @@ class BackendError(ValueError):
     """An explicitly requested backend cannot run this call; the message lists every backend's reasons."""
 
 
+# Automatic choices made so far. A backend's answer for a problem on one of its own devices depends on
+# the Problem and on what was found at import only (Backend.refusals), so a choice holds until the
+# set of backends changes; it saves the walk through every backend's refusals on each call.
+_automatic_choices: dict[Problem, Backend] = {}
+_MAX_REMEMBERED = 4096
+
+
 def register(backend: Backend) -> Backend:
     _BACKENDS[backend.name] = backend
+    _automatic_choices.clear()
     return backend
 
 
@@ -103,6 +111,16 @@ def choose(problem: Problem, explicit: str | None = None) -> Backend:
             for other in _BACKENDS.values()
         )
         raise BackendError(f"backend: {name!r} cannot run this call. Backends: {report}")
+    chosen = _automatic_choices.get(problem)
+    if chosen is None:
+        chosen = _first_able(problem)
+        if len(_automatic_choices) >= _MAX_REMEMBERED:
+            _automatic_choices.clear()
+        _automatic_choices[problem] = chosen
+    return chosen
+
+
+def _first_able(problem: Problem) -> Backend:
     for backend in _BACKENDS.values():
         if problem.device.type not in backend.devices:
             continue
