@@ -3,7 +3,7 @@
 from .backends.registry import BackendError, available_backends, use_backend
 from .functional import attention, split_heads_attention
 from .kvcache import attention_with_kvcache
-from .modules import MultiheadAttention, replace_attention
+from .modules import MultiheadAttention, TransformerEncoderLayer, replace_attention
 from .integrations.sdpa import redirect_sdpa
 from .varlen import attention_varlen
 
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError",
     "MultiheadAttention",
+    "TransformerEncoderLayer",
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
