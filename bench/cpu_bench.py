@@ -76,6 +76,8 @@ TARGETS = {("fwd", torch.float32): 1.0, ("fwd", torch.bfloat16): 1.2, ("fwdbwd",
 
 def run_table(args):
     print(report.machine_description(torch.device("cpu")))
+    for dtype_name in args.dtypes:  # the kernels' instruction-set copy and what computes the products
+        print(f"cpu backend, {dtype_name}: {torch.ops.fused_attn.cpu_kernels(DTYPES[dtype_name])}")
     print()
     print("| dtype | B | H | L | D | causal | pass | cpu ms | SDPA ms | ×SDPA (median of ratios) | target "
           "| ×reference | GFLOP/s | of GEMM | rounds |")

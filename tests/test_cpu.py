@@ -152,6 +152,29 @@ def test_aten_cpu_capability_is_honoured(monkeypatch):
     assert result.returncode != 0 and "FUSED_ATTN_CPU_ISA" in result.stderr
 
 
+def kernels_in_fresh_process(dtype, **env) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = f"import torch, fused_attn\nprint(torch.ops.fused_attn.cpu_kernels(torch.{dtype}))\n"
+    result = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **env), cwd=root,
+                            capture_output=True, text=True, timeout=300, check=True)
+    return result.stdout.strip()
+
+
+def test_cpu_kernels_names_what_runs():
+    """What the benchmark records: the instruction-set copy, and bf16 products kept in bf16 wherever
+    the copy built for AVX512-BF16 runs (oneDNN's bf16 brgemm, with or without AMX)."""
+    for dtype in DTYPES:
+        copy, products = torch.ops.fused_attn.cpu_kernels(dtype).split("; ")
+        assert copy in ("DEFAULT", "AVX2", "AVX512", "AVX512_BF16") and products
+    if not ISA_FLAGS["avx512_bf16"] <= cpu_flags() or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU has no AVX512-BF16 copy")
+    native = kernels_in_fresh_process("bfloat16")
+    assert native.startswith("AVX512_BF16; oneDNN brgemm on ") and "float" not in native
+    assert "converted to float, micro-kernel" in kernels_in_fresh_process("bfloat16", FUSED_ATTN_CPU_BRGEMM="0")
+    if "amx_bf16" not in cpu_flags():  # AVX512 alone has no bf16 products: they run in float
+        assert "converted to float" in kernels_in_fresh_process("bfloat16", FUSED_ATTN_CPU_ISA="avx512")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_through_attention_and_autograd(generator, dtype):
     q, k, v = (torch.randn(2, 4, 19, 16, generator=generator).to(dtype).requires_grad_() for _ in range(3))

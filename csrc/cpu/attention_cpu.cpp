@@ -13,6 +13,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../output_memory.h"
@@ -21,8 +22,8 @@
 namespace fused_attn_cpu {
 namespace {
 
-Dtype dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
+Dtype dtype_of(at::ScalarType type) {
+  switch (type) {
     case at::kFloat:
       return Dtype::Float32;
     case at::kDouble:
@@ -32,8 +33,7 @@ Dtype dtype_of(const at::Tensor& t) {
     case at::kHalf:
       return Dtype::Float16;
     default:
-      TORCH_CHECK(false, "query: expected dtype float32, float64, bfloat16 or float16, got ",
-                  t.scalar_type());
+      TORCH_CHECK(false, "query: expected dtype float32, float64, bfloat16 or float16, got ", type);
   }
 }
 
@@ -72,7 +72,7 @@ Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, 
   TORCH_CHECK(value.dim() == 4, op, ": value: expected a 4-D tensor (B, H_kv, L_k, D_v), got shape ",
               value.sizes());
   Params p;
-  p.dtype = dtype_of(query);
+  p.dtype = dtype_of(query.scalar_type());
   p.batch = query.size(0);
   p.heads_q = query.size(1);
   p.len_q = query.size(2);
@@ -184,15 +184,21 @@ int64_t env_int(const char* name, int64_t fallback) {
   return value;
 }
 
-// at::native::cpublas::brgemm throws where oneDNN has no float micro-kernel for the CPU (it does not
-// fall back), so one tiny product decides, once, whether float products may use it.
-bool float_brgemm_usable() {
+// at::native::cpublas::brgemm throws where oneDNN has no micro-kernel for the CPU and operand type (it
+// does not fall back), so one tiny product decides, once per type, whether the products may use it.
+// For bf16 (VNNI pairs) that is AMX, or AVX512-BF16 without it, where ATen's could_pack, which asks
+// about AMX alone, says no.
+template <typename T>
+bool brgemm_usable() {
   static const bool usable = [] {
+    constexpr bool vnni = !std::is_same_v<T, float>;
     try {
-      const float a[4] = {1.f, 2.f, 3.f, 4.f}, b[4] = {1.f, 0.f, 0.f, 1.f};
+      // A = [[1, 2], [3, 4]] times the identity, whose VNNI layout (rows interleaved in pairs) is
+      // the same four values.
+      const T a[4] = {T(1.f), T(2.f), T(3.f), T(4.f)}, b[4] = {T(1.f), T(0.f), T(0.f), T(1.f)};
       float c[4] = {0.f, 0.f, 0.f, 0.f};
-      at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, a, b, c, false);
-      at::native::cpublas::brgemm_release(false);
+      at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, a, b, c, vnni);
+      at::native::cpublas::brgemm_release(vnni);
       return c[0] == 1.f && c[1] == 2.f && c[2] == 3.f && c[3] == 4.f;
     } catch (const c10::Error&) {
       return false;
@@ -216,14 +222,15 @@ void choose_tiling(Params& p, bool backward) {
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
   p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
   // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
-  p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && float_brgemm_usable();
+  p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();
+  p.bf16_brgemm = p.use_brgemm && p.dtype == Dtype::BFloat16 && brgemm_usable<c10::BFloat16>();
   p.use_decode = env_flag("FUSED_ATTN_CPU_DECODE", true);
 }
 
 // The kernels for the best instruction set of this CPU, as ATen judges it (at::get_cpu_capability()
 // honours ATEN_CPU_CAPABILITY), plus AVX512-BF16 where the CPU has it. FUSED_ATTN_CPU_ISA (default,
 // avx2, avx512, avx512_bf16) forces one, for tests; it must not exceed what the CPU runs.
-void run(const Params& p, bool backward) {
+std::string chosen_isa() {
   std::string isa = at::get_cpu_capability();
 #if defined(__x86_64__) || defined(_M_X64)
   const bool has_bf16 = isa == "AVX512" && __builtin_cpu_supports("avx512bf16");
@@ -240,6 +247,15 @@ void run(const Params& p, bool backward) {
     isa = name;
     std::transform(isa.begin(), isa.end(), isa.begin(), ::toupper);
   }
+  return isa;
+#else
+  return "DEFAULT";
+#endif
+}
+
+void run(const Params& p, bool backward) {
+  const std::string isa = chosen_isa();
+#if defined(__x86_64__) || defined(_M_X64)
   if (isa == "AVX512_BF16") {
     backward ? AVX512_BF16::backward(p) : AVX512_BF16::forward(p);
     return;
@@ -254,6 +270,22 @@ void run(const Params& p, bool backward) {
   }
 #endif
   backward ? DEFAULT::backward(p) : DEFAULT::forward(p);
+}
+
+// What a forward call of `dtype` runs now (environment included): the kernels' instruction-set copy and
+// what computes its products, e.g. "AVX512_BF16; oneDNN brgemm on bf16 operands (AVX512-BF16, no AMX)".
+std::string cpu_kernels(at::ScalarType dtype) {
+  Params p;
+  p.dtype = dtype_of(dtype);
+  choose_tiling(p, false);
+  const std::string isa = chosen_isa();
+  const char* products = DEFAULT::products(p);
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == "AVX512_BF16") products = AVX512_BF16::products(p);
+  if (isa == "AVX512") products = AVX512::products(p);
+  if (isa == "AVX2") products = AVX2::products(p);
+#endif
+  return isa + "; " + products;
 }
 
 // The blocks and block table of a paged cache (paged_forward); undefined tensors for a dense one.
@@ -423,6 +455,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
 
 }  // namespace
 }  // namespace fused_attn_cpu
+
+// A question about this build and CPU, not a computation on tensors: defined beside its only
+// implementation rather than with the kernels' schemas in csrc/ops.cpp.
+TORCH_LIBRARY_FRAGMENT(fused_attn, m) {
+  m.def("cpu_kernels(ScalarType dtype) -> str", &fused_attn_cpu::cpu_kernels);
+}
 
 TORCH_LIBRARY_IMPL(fused_attn, CPU, m) {
   m.impl("flash_forward", &fused_attn_cpu::flash_forward);

@@ -1415,8 +1415,20 @@ void backward_impl(const Params& p) {
   });
 }
 
-// float and float64 multiply in their own type; bf16/fp16 keep their type for brgemm where the CPU
-// has a bf16/fp16 brgemm (could_pack), and become float otherwise.
+// Whether bf16/fp16 operands keep their type for oneDNN's brgemm: where ATen packs them for it (AMX),
+// and bf16 in the AVX512-BF16 copy wherever oneDNN's bf16 brgemm runs (p.bf16_brgemm), its
+// vdpbf16ps doing twice the multiply-adds of float FMAs. Elsewhere they become float.
+inline bool typed_products(const Params& p, at::ScalarType type) {
+  if (!p.use_brgemm) return false;
+  if (at::native::cpublas::could_pack(type)) return true;
+#if defined(FUSED_ATTN_AVX512_BF16)
+  return type == at::kBFloat16 && p.bf16_brgemm;
+#else
+  return false;
+#endif
+}
+
+// float and float64 multiply in their own type; bf16/fp16 as typed_products says.
 template <template <typename, typename> class Run>
 void dispatch(const Params& p) {
   switch (p.dtype) {
@@ -1427,14 +1439,14 @@ void dispatch(const Params& p) {
       Run<double, double>::run(p);
       break;
     case Dtype::BFloat16:
-      if (p.use_brgemm && at::native::cpublas::could_pack(at::kBFloat16)) {
+      if (typed_products(p, at::kBFloat16)) {
         Run<c10::BFloat16, c10::BFloat16>::run(p);
       } else {
         Run<c10::BFloat16, float>::run(p);
       }
       break;
     case Dtype::Float16:
-      if (p.use_brgemm && at::native::cpublas::could_pack(at::kHalf)) {
+      if (typed_products(p, at::kHalf)) {
         Run<c10::Half, c10::Half>::run(p);
       } else {
         Run<c10::Half, float>::run(p);
@@ -1456,6 +1468,26 @@ struct RunBackward {
 
 void forward(const Params& p) { dispatch<RunForward>(p); }
 void backward(const Params& p) { dispatch<RunBackward>(p); }
+
+const char* products(const Params& p) {
+  const char* in_float = p.use_brgemm ? "oneDNN brgemm in float" : "register-blocked micro-kernel in float";
+  switch (p.dtype) {
+    case Dtype::Float32:
+      return in_float;
+    case Dtype::Float64:
+      return "register-blocked micro-kernel in float64";
+    case Dtype::BFloat16:
+    case Dtype::Float16: {
+      const at::ScalarType type = p.dtype == Dtype::BFloat16 ? at::kBFloat16 : at::kHalf;
+      if (!typed_products(p, type)) {
+        return p.use_brgemm ? "operands converted to float, oneDNN brgemm" : "operands converted to float, micro-kernel";
+      }
+      return at::native::cpublas::could_pack(type) ? "oneDNN brgemm on 16-bit operands (AMX)"
+                                                   : "oneDNN brgemm on bf16 operands (AVX512-BF16, no AMX)";
+    }
+  }
+  return "unknown";
+}
 
 }  // namespace CPU_CAPABILITY
 }  // namespace fused_attn_cpu

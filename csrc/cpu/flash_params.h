@@ -57,25 +57,33 @@ struct Params {
   // Tiling and the product used for the two matrix products of each block.
   int64_t block_q = 64, block_k = 64;
   bool use_brgemm = true;  // oneDNN micro-kernels through at::native::cpublas::brgemm, where usable
+  // oneDNN's bf16 brgemm runs on this CPU without AMX (its avx512_core_bf16 kernels): the copy built
+  // for AVX512-BF16 then keeps bf16 operands in their type, as where AMX runs them.
+  bool bf16_brgemm = false;
   bool use_decode = true;  // the decode kernels for few query rows (flash_kernel.h, takes_decode_path)
 };
 
-// One entry point per instruction set; `capability` in attention_cpu.cpp picks one.
+// One entry point per instruction set; run() in attention_cpu.cpp picks one. products() names
+// what computes the matrix products of a call of p.dtype, for benchmarks to record.
 namespace DEFAULT {
 void forward(const Params& p);
 void backward(const Params& p);
+const char* products(const Params& p);
 }  // namespace DEFAULT
 namespace AVX2 {
 void forward(const Params& p);
 void backward(const Params& p);
+const char* products(const Params& p);
 }  // namespace AVX2
 namespace AVX512 {
 void forward(const Params& p);
 void backward(const Params& p);
+const char* products(const Params& p);
 }  // namespace AVX512
 namespace AVX512_BF16 {
 void forward(const Params& p);
 void backward(const Params& p);
+const char* products(const Params& p);
 }  // namespace AVX512_BF16
 
 }  // namespace fused_attn_cpu
