@@ -277,3 +277,21 @@ def test_static_cache_generation_matches_sdpa(monkeypatch, generator):
                                                 do_sample=False, pad_token_id=0, cache_implementation="static")
     assert torch.equal(tokens[NAME], tokens["sdpa"])
     assert log.calls and all(call["attn_mask"] is not None for call in log.calls)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_triton_kernels_through_the_integration(generator, name):
+    """The GPU kernels (here under Triton's interpreter) with the mapping: bottom-right causal, key
+    padding, window and softcap."""
+    from fused_attn.backends import registry
+
+    if registry.get("triton").unavailable() is not None:
+        pytest.skip(registry.get("triton").unavailable())
+    implementation = fused_transformers.register("fused_attn_triton", backend="triton")
+    model = build(name)
+    ids, attention_mask = padded_batch(generator, "right")
+    valid = attention_mask.bool()
+    exact = logits_of(model, ORACLE, torch.float64, ids, attention_mask)[valid]
+    same_dtype = logits_of(model, "eager", torch.float32, ids, attention_mask)[valid]
+    actual = logits_of(model, implementation, torch.float32, ids, attention_mask)[valid]
+    assert_close(actual, exact, same_dtype, torch.float32)
