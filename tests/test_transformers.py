@@ -295,3 +295,36 @@ def test_triton_kernels_through_the_integration(generator, name):
     same_dtype = logits_of(model, "eager", torch.float32, ids, attention_mask)[valid]
     actual = logits_of(model, implementation, torch.float32, ids, attention_mask)[valid]
     assert_close(actual, exact, same_dtype, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_packed_sequences_with_flash_attn_keywords_run_as_varlen(monkeypatch, generator, name):
+    """cu_seq_lens_q / cu_seq_lens_k (as DataCollatorWithFlattening makes them) against eager on the
+    mask transformers builds from the position ids; gradients too."""
+    model = build(name).train()
+    lengths = [6, 3, LENGTH - 9]
+    ids = torch.randint(0, VOCAB, (1, LENGTH), generator=generator)
+    position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+    cu_seqlens = torch.tensor([0, 6, 9, LENGTH], dtype=torch.int32)
+    packed = dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max(lengths),
+                  max_length_k=max(lengths))
+    calls = []
+    original = fused_transformers.varlen.attention_varlen
+    monkeypatch.setattr(fused_transformers.varlen, "attention_varlen",
+                        lambda *args, **kwargs: calls.append(kwargs) or original(*args, **kwargs))
+
+    def run(implementation, dtype, **extra):
+        trained = copy.deepcopy(model).to(dtype)
+        trained.set_attn_implementation(implementation)
+        logits = trained(ids, position_ids=position_ids, use_cache=False, **extra).logits
+        logits.square().mean().backward()
+        grads = {key: parameter.grad for key, parameter in trained.named_parameters() if parameter.grad is not None}
+        return logits.detach(), grads
+
+    (exact, exact_grads), (same, same_grads) = run(ORACLE, torch.float64), run("eager", torch.float32)
+    actual, actual_grads = run(NAME, torch.float32, **packed)
+    assert len(calls) == model.config.num_hidden_layers
+    assert_close(actual, exact, same, torch.float32)
+    for parameter in exact_grads:
+        assert_close(actual_grads[parameter], exact_grads[parameter], same_grads[parameter], torch.float32,
+                     name=parameter)

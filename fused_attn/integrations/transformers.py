@@ -22,7 +22,11 @@ as transformers builds it for `sdpa`, a (B, 1, L_q, L_k) bool mask, and read by 
 
 Passed through: `scaling`, `dropout` (in training), `softcap`, GQA (key/value heads are never
 repeated), `position_bias` (added to the scores), decode steps against a cache (the decode kernels
-run). Refused: attention sinks (`s_aux`). Attention weights are not returned (None), as with sdpa.
+run). Packed sequences given as flash-attn's `cu_seq_lens_q` / `cu_seq_lens_k` (and `max_length_q` /
+`max_length_k`) keyword arguments, as `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`
+makes them, run as `fused_attn.attention_varlen`: no key block of another sequence is visited, and the
+mask transformers may have built from the position ids is not read. Refused: attention sinks
+(`s_aux`). Attention weights are not returned (None), as with sdpa.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import (AttentionMaskInterface, bidirectional_mask_function, causal_mask_function,
                                         sdpa_mask)
 
-from .. import functional
+from .. import functional, varlen
 from ..backends import registry
 
 DEFAULT_NAME = "fused_attn"
@@ -141,6 +145,31 @@ def _with_position_bias(mask, position_bias):
     return position_bias + mask
 
 
+def _packed_forward(query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window, softcap,
+                    position_bias, backend, kwargs) -> torch.Tensor:
+    """A batch of one holding packed sequences, bounded by flash-attn's cu_seq_lens keywords, as
+    attention_varlen. Returns (1, total_q, H_q, D_v)."""
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q: packed sequences come as a batch of one, got a batch of {query.shape[0]}")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        raise ValueError("cu_seq_lens_q: packed sequences have no padding, but a 2-D attention mask was given")
+    if position_bias is not None:
+        raise NotImplementedError("position_bias: not supported with packed sequences (cu_seq_lens_q)")
+    cu_seqlens_q = kwargs["cu_seq_lens_q"]
+    cu_seqlens_k = kwargs.get("cu_seq_lens_k")
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    # Python ints are checked on the device without a synchronisation; anything else is left to the
+    # backends to read from the bounds.
+    max_q, max_k = (length if isinstance(length, int) else None
+                    for length in (kwargs.get("max_length_q"), kwargs.get("max_length_k")))
+    window = (sliding_window - 1, 0) if is_causal and sliding_window is not None else None
+    out = varlen.attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                  cu_seqlens_q, cu_seqlens_k, max_q, max_k, dropout_p=dropout,
+                                  is_causal=bool(is_causal), scale=scaling, backend=backend,
+                                  causal_alignment="bottom_right", window_size=window, softcap=softcap)
+    return out.unsqueeze(0)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, sliding_window: int | None = None,
@@ -154,6 +183,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("output_attentions"):
         _warn_no_weights()
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if kwargs.get("cu_seq_lens_q") is not None:
+        return _packed_forward(query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window,
+                               softcap, position_bias, backend, kwargs), None
     key_padding_mask = window = None
     if attention_mask is None or attention_mask.dim() == 2:
         # A pattern build_mask left to the kernels: the module says whether it is causal.
