@@ -153,9 +153,12 @@ def test_aten_cpu_capability_is_honoured(monkeypatch):
 
 
 def kernels_in_fresh_process(dtype, **env) -> str:
+    """cpu_kernels in a process whose kernel switches are `env` alone (unset: the defaults)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = f"import torch, fused_attn\nprint(torch.ops.fused_attn.cpu_kernels(torch.{dtype}))\n"
-    result = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, **env), cwd=root,
+    inherited = {name: value for name, value in os.environ.items()
+                 if name not in ("FUSED_ATTN_CPU_ISA", "FUSED_ATTN_CPU_BRGEMM")}
+    result = subprocess.run([sys.executable, "-c", script], env=dict(inherited, **env), cwd=root,
                             capture_output=True, text=True, timeout=300, check=True)
     return result.stdout.strip()
 

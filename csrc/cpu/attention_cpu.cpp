@@ -274,6 +274,7 @@ void run(const Params& p, bool backward) {
 
 // What a forward call of `dtype` runs now (environment included): the kernels' instruction-set copy and
 // what computes its products, e.g. "AVX512_BF16; oneDNN brgemm on bf16 operands (AVX512-BF16, no AMX)".
+// Said of long queries: decode calls of a few rows may compute in float (typed_products).
 std::string cpu_kernels(at::ScalarType dtype) {
   Params p;
   p.dtype = dtype_of(dtype);

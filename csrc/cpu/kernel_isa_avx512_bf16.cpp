@@ -1,5 +1,7 @@
 // The CPU kernels compiled for AVX512 machines with AVX512-BF16 (Cooper Lake, Sapphire Rapids and
-// later): the same source as kernel_isa_avx512.cpp, plus the hardware float -> bf16 conversion for P.
+// later, AMD Zen 4): the same source as kernel_isa_avx512.cpp, plus the hardware float -> bf16
+// conversion for P, and bf16 products kept in bf16 for oneDNN's brgemm on CPUs without AMX too
+// (typed_products in flash_kernel.h).
 // attention_cpu.cpp chooses them at run time.
 // The instruction set is enabled for this file alone (the pragma below, before any include, as
 // ATen enables it per file with compiler flags), so the package still loads on older CPUs.
