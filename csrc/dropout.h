@@ -1,10 +1,11 @@
 // Dropout's random stream, for the CPU and CUDA kernels alike: which elements a call drops.
 //
-// Element (b, h, i, j) is dropped iff  philox4x32_10(counter, key)[j % 4] < threshold,  with
-// counter = (j / 4, i, b * H_q + h, offset) and key = (seed mod 2^32, seed / 2^32): the formula
-// of fused_attn/dropout.py, which the Triton kernels and the reference implement too. It depends on
-// nothing but the element's indices and the call's (seed, offset), so any tiling or thread order
-// drops the same elements, and the backward regenerates the forward's mask.
+// Element (b, h, i, j) is dropped iff  philox4x32_10(counter, key)[J % 4] < threshold,  with
+// I = query_start + i, J = key_start + j, counter = (J / 4, I, b * H_q + h, offset) and
+// key = (seed mod 2^32, seed / 2^32): the formula of fused_attn/dropout.py, which the Triton kernels
+// and the reference implement too. It depends on nothing but the element's indices and the call's
+// (seed, offset, query_start, key_start), so any tiling or thread order drops the same elements, and
+// the backward regenerates the forward's mask.
 //
 // Free of torch headers and host/device-neutral: the CUDA kernels include it as it is, the CPU
 // kernels once per instruction set. The functions are static, so each instruction-set copy keeps its
@@ -26,6 +27,9 @@ struct DropoutParams {
   bool enabled = false;
   uint64_t seed = 0;
   uint32_t offset = 0;
+  // Positions of the call's first query and key in the sequence the stream is keyed on (ring
+  // attention's blocks of a longer sequence); 0 for an ordinary call.
+  int64_t query_start = 0, key_start = 0;
   // An element is dropped when its 32-bit integer is below this (round(p * 2^32), at most 2^32 - 1).
   uint32_t threshold = 0;
   double keep_scale = 1.0;  // 1 / (1 - p)

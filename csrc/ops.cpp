@@ -5,12 +5,12 @@
 // value (B, H_kv, L_k, D_v), any strides; attn_mask a bool or additive view of (B, H_q, L_q, L_k)
 // with stride 0 where it broadcasts; key_padding_mask bool (B, L_k), true = ignore; `out`
 // (B, H_q, L_q, D_v) written in place. The forward returns the log-sum-exp (B, H_q, L_q).
-// Dropout (dropout_p > 0) drops the elements of csrc/dropout.h's stream for the call's (seed, offset),
-// dropout_rng: int64 (2,) on the tensors' device. The backward writes the gradient of an additive
+// Dropout (dropout_p > 0) drops the elements of csrc/dropout.h's stream for the call's (seed, offset,
+// query_start, key_start), dropout_rng: int64 (4,) on the tensors' device. The backward writes the gradient of an additive
 // attn_mask, dS, into `grad_mask` when given: zeros (B, H_q, L_q, L_k) of the mask's dtype, dense.
 // The score variant (fused_attn/scores.py): query i sees key j iff -window_left <= j - (i + offset)
-// <= window_right (-1: unbounded; is_causal makes window_right 0), offset = L_k - L_q if bottom_right
-// else 0; softcap > 0 caps the scaled scores; alibi_slopes, float32 (B, H_q) with any strides, adds
+// <= window_right (-1: unbounded; is_causal makes window_right 0), offset = (L_k - L_q if bottom_right
+// else 0) + diagonal_shift; softcap > 0 caps the scaled scores; alibi_slopes, float32 (B, H_q) with any strides, adds
 // -slope * |i + offset - j|.
 
 #include <Python.h>
@@ -29,13 +29,13 @@ TORCH_LIBRARY(fused_attn, m) {
       "flash_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, float dropout_p=0., "
       "Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
-      "float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
+      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> Tensor");
   m.def(
       "flash_backward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor out, Tensor lse, "
       "Tensor grad_out, Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, "
       "Tensor(b!)? grad_mask=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
-      "float softcap=0., Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
+      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> (Tensor, Tensor, Tensor)");
   // The forward over a paged key/value cache (CPU): key and value are blocks (num_blocks, block_size,
   // H_kv, D), any strides, and key j of sequence b lies in block block_table[b, j / block_size] (int32
   // (B, max_blocks)), at row j % block_size; the call's L_k is max_blocks * block_size, and blocks past
@@ -43,7 +43,7 @@ TORCH_LIBRARY(fused_attn, m) {
   m.def(
       "paged_forward(Tensor query, Tensor k_blocks, Tensor v_blocks, Tensor block_table, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, int window_left=-1, "
-      "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None) -> Tensor");
+      "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> Tensor");
   // A packed batch (fused_attn/varlen.py; CUDA): query (total_q, H_q, D_qk), key (total_k, H_kv, D_qk),
   // value (total_k, H_kv, D_v), any strides; sequence b is tokens cu_seqlens[b] .. cu_seqlens[b + 1]
   // (int32 or int64 (B + 1,), on the tensors' device); max_seqlen_* the longest sequences, -1 if not
@@ -53,10 +53,10 @@ TORCH_LIBRARY(fused_attn, m) {
       "flash_forward_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor(a!) out, Tensor(b!) lse, "
       "float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
-      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None) -> ()");
+      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> ()");
   m.def(
       "flash_backward_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor out, Tensor lse, Tensor grad_out, "
       "Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
-      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)");
+      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> (Tensor, Tensor, Tensor)");
 }

@@ -21,9 +21,12 @@ back. Which keys of a block a rank's queries see is worked out from the chunks' 
 the two layouts, sliding windows (ring steps outside the window are skipped) and queries and keys of
 different lengths all use the same plan.
 
-Not supported: dropout and ALiBi, whose values depend on an element's global (i, j), which a kernel call
-on a shard cannot be told (its indices start at 0); and arbitrary `attn_mask`s (use key_padding_mask,
-sharded with the keys).
+Dropout and ALiBi depend on an element's global (i, j). With either, each step runs one call per pair of
+chunks, told where its block sits in the whole sequence: the diagonal's offset as an integer alignment
+(fused_attn.scores), which places the band and ALiBi's distances, and the block's first query and key
+positions in the dropout stream (fused_attn.dropout), whose seed rank 0 draws and broadcasts. So the ring
+drops exactly the elements the single-device call drops for the same seed. Arbitrary `attn_mask`s are not
+taken (use key_padding_mask, sharded with the keys).
 
 Every rank must call `ring_attention` (and its backward) with shards of equal shapes, in the same order.
 """
@@ -37,9 +40,10 @@ import torch.distributed as dist
 
 from . import ops
 from .backends import registry
-from .functional import _check_inputs, _check_key_padding_mask, _check_options, attention
+from .dropout import next_rng, shifted_rng
+from .functional import _check_generator, _check_inputs, _check_key_padding_mask, _check_options
 from .problem import Problem, lse_dtype
-from .scores import UNBOUNDED, variant_of
+from .scores import UNBOUNDED, ScoreVariant, variant_of
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -137,7 +141,9 @@ def gather(x_local: torch.Tensor, layout: str = "contiguous", dim: int = 2, grou
 @dataclasses.dataclass(frozen=True)
 class Part:
     """One kernel call of a step: local query rows q0:q1 against block keys k0:k1; within them query
-    i sees key j iff -left <= j - i <= right (None: unbounded), as the kernels' top-left window."""
+    i sees key j iff -left <= j - i <= right (None: unbounded), as the kernels' top-left window. A part
+    of one chunk pair also knows the global positions of its first query and key (None for a part that
+    spans several chunks)."""
 
     q0: int
     q1: int
@@ -145,22 +151,21 @@ class Part:
     k1: int
     left: int | None = None
     right: int | None = None
+    q_start: int | None = None
+    k_start: int | None = None
 
     def shifted(self, rows: int, keys: int) -> "Part":
         return dataclasses.replace(self, q0=self.q0 + rows, q1=self.q1 + rows, k0=self.k0 + keys,
                                    k1=self.k1 + keys)
 
+    def placed(self, q_chunk: "Chunk", k_chunk: "Chunk") -> "Part":
+        """This part of a chunk pair (indices within the chunks) in local indices, with its global positions."""
+        return dataclasses.replace(self.shifted(q_chunk.local, k_chunk.local), q_start=q_chunk.start + self.q0,
+                                   k_start=k_chunk.start + self.k0)
+
     @property
     def is_full(self) -> bool:
         return self.left is None and self.right is None
-
-    def call_options(self) -> dict:
-        """`attention`'s keywords for this part's visibility."""
-        is_causal = self.right == 0
-        left = UNBOUNDED if self.left is None else self.left
-        right = UNBOUNDED if self.right is None or is_causal else self.right
-        window = None if left == UNBOUNDED and right == UNBOUNDED else (left, right)
-        return dict(is_causal=is_causal, window_size=window)
 
 
 def visible_part(low: int | None, high: int | None, delta: int, len_q: int, len_k: int) -> Part | None:
@@ -190,9 +195,11 @@ def visible_part(low: int | None, high: int | None, delta: int, len_q: int, len_
     return Part(first_q, end_q, first_k, end_k, left, right)
 
 
-def plan_step(low: int | None, high: int | None, q_chunks: list[Chunk], k_chunks: list[Chunk]) -> list[Part]:
+def plan_step(low: int | None, high: int | None, q_chunks: list[Chunk], k_chunks: list[Chunk],
+              merge: bool = True) -> list[Part]:
     """The kernel calls for a rank's query chunks against a key block's chunks, global distance J - I
-    bounded by [low, high]: one call where one describes the visible scores, else one per chunk pair."""
+    bounded by [low, high]: one call where one describes the visible scores (with `merge`), else one per
+    chunk pair."""
     pairs = {}
     for qi, qc in enumerate(q_chunks):
         for ki, kc in enumerate(k_chunks):
@@ -201,10 +208,11 @@ def plan_step(low: int | None, high: int | None, q_chunks: list[Chunk], k_chunks
                 pairs[qi, ki] = part
     if not pairs:
         return []
-    whole = _as_one_rectangle(pairs, q_chunks, k_chunks) or _as_one_band(low, high, q_chunks, k_chunks)
-    if whole is not None:
-        return [whole]
-    return [part.shifted(q_chunks[qi].local, k_chunks[ki].local) for (qi, ki), part in pairs.items()]
+    if merge:
+        whole = _as_one_rectangle(pairs, q_chunks, k_chunks) or _as_one_band(low, high, q_chunks, k_chunks)
+        if whole is not None:
+            return [whole]
+    return [part.placed(q_chunks[qi], k_chunks[ki]) for (qi, ki), part in pairs.items()]
 
 
 def _as_one_rectangle(pairs, q_chunks, k_chunks) -> Part | None:
@@ -254,14 +262,26 @@ class Traffic:
 traffic = Traffic()
 
 
+def _global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (point-to-point operations and broadcasts take global ranks)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _shared_rng(device: torch.device, generator, group) -> torch.Tensor:
+    """The call's dropout stream: drawn on every rank, so that each rank's generator advances as a
+    single-device call's would, and rank 0's sent to all, so that every rank drops from the same stream."""
+    rng = next_rng(device, generator)
+    dist.broadcast(rng, src=_global_rank(group, 0), group=group)
+    return rng
+
+
 class _Transfer:
     """Tensors in flight to the next rank while the same number arrive from the previous one."""
 
     def __init__(self, tensors: list[torch.Tensor], group, rank: int, world: int, first_tag: int = 0):
         self.tensors = [t.contiguous() for t in tensors]  # kept alive until the sends complete
         self.received = [torch.empty_like(t) for t in self.tensors]
-        next_rank = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (rank + 1) % world
-        prev_rank = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (rank - 1) % world
+        next_rank, prev_rank = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
         # Distinct tags keep gloo from pairing one tensor's receive with another's send, as when the
         # key/value and the gradient transfers are in flight together (NCCL ignores tags and keeps order).
         operations = [dist.P2POp(dist.isend, t, next_rank, group, tag)
@@ -328,15 +348,41 @@ class _Ring:
     layout: str
     low: int | None   # global J - I bounds of the visible band
     high: int | None
+    offset: int       # the global diagonal: query I's is key I + offset
     scale: float
-    softcap: float | None
-    enable_gqa: bool
+    softcap: float
+    alibi_slopes: torch.Tensor | None  # (B, H_q) float32
+    dropout_p: float
+    rng: torch.Tensor | None  # the call's dropout stream, the same on every rank
     backend: str
+
+    @property
+    def positional(self) -> bool:
+        """Whether scores depend on global positions beyond the band (ALiBi, dropout): then every kernel
+        call covers one chunk pair, a block of the whole sequence at known positions."""
+        return self.alibi_slopes is not None or self.rng is not None
 
     def plan(self, step: int, len_q: int, len_k: int) -> list[Part]:
         source = (self.rank - step) % self.world
         return plan_step(self.low, self.high, rank_chunks(self.layout, self.rank, self.world, len_q),
-                         rank_chunks(self.layout, source, self.world, len_k))
+                         rank_chunks(self.layout, source, self.world, len_k), merge=not self.positional)
+
+    def call(self, part: Part) -> tuple[bool, ScoreVariant, torch.Tensor | None]:
+        """(is_causal, score variant, dropout rng) of a part's kernel call."""
+        if not self.positional:  # the part's own band, top-left in its local indices
+            is_causal = part.right == 0
+            left = UNBOUNDED if part.left is None else part.left
+            right = UNBOUNDED if part.right is None or is_causal else part.right
+            return is_causal, ScoreVariant(window_left=left, window_right=right, softcap=self.softcap), None
+        # The global band around the block's own diagonal, which the integer alignment places.
+        left = UNBOUNDED if self.low is None else self.offset - self.low
+        right = UNBOUNDED if self.high is None else self.high - self.offset
+        is_causal = right == 0
+        variant = ScoreVariant(window_left=left, window_right=UNBOUNDED if is_causal else right, softcap=self.softcap,
+                               alibi_slopes=self.alibi_slopes,
+                               diagonal_shift=part.q_start - part.k_start + self.offset)
+        rng = None if self.rng is None else shifted_rng(self.rng, query_start=part.q_start, key_start=part.k_start)
+        return is_causal, variant, rng
 
 
 def _merge(out_acc, lse_acc, out_part, lse_part) -> None:
@@ -360,10 +406,9 @@ def _ring_forward(ring: _Ring, query, key, value, key_padding_mask):
         transfer = block.send_on(ring) if step + 1 < ring.world else None
         for part in ring.plan(step, len_q, block.length):
             part_key, part_value, part_padding = block.keys_of(part)
-            out, lse = attention(
-                query[:, :, part.q0:part.q1], part_key, part_value, scale=ring.scale, enable_gqa=ring.enable_gqa,
-                softcap=ring.softcap, key_padding_mask=part_padding, return_lse=True, backend=ring.backend,
-                **part.call_options())
+            is_causal, variant, rng = ring.call(part)
+            out, lse = ops.attention(query[:, :, part.q0:part.q1], part_key, part_value, None, part_padding, is_causal,
+                                     ring.scale, ring.dropout_p, rng, False, ring.backend, variant)
             _merge(out_acc[:, :, part.q0:part.q1], lse_acc[:, :, part.q0:part.q1], out, lse)
         if transfer is not None:
             block = _KeyBlock.received(transfer)
@@ -382,15 +427,13 @@ def _ring_backward(ring: _Ring, grad_out, grad_lse, query, key, value, key_paddi
         grad_value = torch.zeros(block.value.shape, dtype=acc_dtype, device=query.device)
         for part in ring.plan(step, len_q, block.length):
             rows = slice(part.q0, part.q1)
-            options = part.call_options()
-            window_left, window_right = options["window_size"] or (UNBOUNDED, UNBOUNDED)
+            is_causal, variant, rng = ring.call(part)
             part_key, part_value, part_padding = block.keys_of(part)
             # The final output and log-sum-exp make each block's gradients exactly its share.
             part_grads = ops.attention_bwd(
                 grad_out[:, :, rows], None if grad_lse is None else grad_lse[:, :, rows], query[:, :, rows],
-                part_key, part_value, out[:, :, rows], lse[:, :, rows], None, part_padding,
-                options["is_causal"], ring.scale, 0.0, None, ring.backend, False, window_left, window_right,
-                False, ring.softcap or 0.0, None)
+                part_key, part_value, out[:, :, rows], lse[:, :, rows], None, part_padding, is_causal, ring.scale,
+                ring.dropout_p, rng, ring.backend, False, *variant.op_args())
             grad_query[:, :, rows] += part_grads[0]
             grad_key[:, :, part.k0:part.k1] += part_grads[1]
             grad_value[:, :, part.k0:part.k1] += part_grads[2]
@@ -428,18 +471,6 @@ class _RingAttention(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def _refuse(dropout_p, alibi_slopes) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError(
-            f"dropout_p: ring attention cannot drop yet (got {dropout_p!r}): the dropout stream is keyed "
-            "on each element's (b, h, i, j) within a kernel call, and the kernels take no offset for i and "
-            "j, so a shard cannot drop what the single-device call drops; pass dropout_p=0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            "alibi_slopes: ring attention cannot add ALiBi yet: the bias depends on the global distance "
-            "i - j, and the kernels place it at offset 0 or L_k - L_q of the call only; pass alibi_slopes=None")
-
-
 def _band(is_causal: bool, variant, len_q: int, len_k: int):
     """The visible band as global bounds on J - I: [low, high], None for unbounded."""
     left, right = variant.bounds(is_causal)
@@ -451,7 +482,7 @@ def _band(is_causal: bool, variant, len_q: int, len_k: int):
 
 def ring_attention(query, key, value, *, group=None, is_causal=False, layout="contiguous", scale=None,
                    enable_gqa=False, key_padding_mask=None, window_size=None, causal_alignment="top_left",
-                   softcap=None, dropout_p=0.0, alibi_slopes=None, return_lse=False, backend=None):
+                   softcap=None, dropout_p=0.0, alibi_slopes=None, generator=None, return_lse=False, backend=None):
     """Attention over a sequence sharded across the ranks of `group` (default: the world), exact.
 
     Each rank passes its own shard, as `shard(x, layout)` makes it, and gets the output rows of its own
@@ -467,9 +498,12 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, layout="co
             of 2W, which balances causal work); L_local must then be even.
         key_padding_mask: bool (B, L_k_local), True = ignore that key: this rank's share, sharded with
             the keys (`shard(mask, layout, dim=1)`).
-        window_size, causal_alignment, softcap, scale, enable_gqa, backend: as `fused_attn.attention`,
-            in global positions. Ring steps whose keys lie outside every query's window are skipped.
-        dropout_p, alibi_slopes: refused (NotImplementedError) for now, see the module's docstring.
+        window_size, causal_alignment, softcap, alibi_slopes, scale, enable_gqa, backend: as
+            `fused_attn.attention`, in global positions. Ring steps whose keys lie outside every query's
+            window are skipped.
+        dropout_p, generator: as `fused_attn.attention`: rank 0's seed (every rank draws one from its
+            generator, advancing it) is used by all, so the ring drops what the single-device call with
+            that seed drops.
         return_lse: also return the log-sum-exp of this rank's rows, (B, H_q, L_q_local), float32
             (float64 for float64 inputs); a gradient flowing into it is taken.
 
@@ -480,11 +514,11 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, layout="co
     backward if any rank does.
     """
     _check_inputs(query, key, value, enable_gqa)
-    _check_options(0.0, scale, is_causal)
+    _check_options(dropout_p, scale, is_causal)
+    _check_generator(generator, query)
     _check_key_padding_mask(key_padding_mask, query, key)
     _check_layout(layout)
-    _refuse(dropout_p, alibi_slopes)
-    variant = variant_of(query, causal_alignment, window_size, softcap, None)  # checks the keywords
+    variant = variant_of(query, causal_alignment, window_size, softcap, alibi_slopes)  # checks the keywords
     rank, world = _group_rank_and_size(group)
     per_rank = chunks_per_rank(layout)
     for name, tensor in (("query", query), ("key", key)):
@@ -494,9 +528,11 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, layout="co
     len_q, len_k = query.shape[2] * world, key.shape[2] * world
     low, high = _band(is_causal, variant, len_q, len_k)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    problem = Problem.of(query, key, value, None, key_padding_mask, is_causal, 0.0, variant)
+    problem = Problem.of(query, key, value, None, key_padding_mask, is_causal, float(dropout_p), variant)
     chosen = registry.choose(problem, backend).name
-    ring = _Ring(group, rank, world, layout, low, high, scale, variant.softcap or None, enable_gqa, chosen)
+    rng = _shared_rng(query.device, generator, group) if dropout_p > 0.0 else None
+    ring = _Ring(group, rank, world, layout, low, high, variant.offset(len_q, len_k), scale, variant.softcap,
+                 variant.alibi_slopes, float(dropout_p), rng, chosen)
     out, lse = _RingAttention.apply(query, key, value, key_padding_mask, ring)
     return (out, lse) if return_lse else out
 

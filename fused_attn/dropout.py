@@ -2,21 +2,25 @@
 
 Element (b, h, i, j) of a call (batch b, query head h, query i, key j) is dropped iff
 
-    philox4x32_10(counter, key)[j % 4] < threshold(p)
-    counter = (j // 4, i, b * H_q + h, offset),   key = (seed mod 2^32, seed div 2^32)
+    philox4x32_10(counter, key)[J % 4] < threshold(p),    I = query_start + i,  J = key_start + j
+    counter = (J // 4, I, b * H_q + h, offset),   key = (seed mod 2^32, seed div 2^32)
 
-(in a packed batch, `attention_varlen`, sequence b is a one-sequence call: counter (j // 4, i, h,
+(in a packed batch, `attention_varlen`, sequence b is a one-sequence call: counter (J // 4, I, h,
 offset + b)), with Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011: the
 generator of cuRAND's philox, PyTorch's CUDA dropout and Triton's `tl.rand`), and kept elements are
 scaled by 1 / (1 - p). One block of Philox output serves four neighbouring keys. The decision is a
-pure function of (seed, offset, b, h, i, j): it depends on no tile size, thread count or launch
+pure function of (seed, offset, b, h, I, J): it depends on no tile size, thread count or launch
 order, so the reference, the CPU, CUDA and Triton kernels drop the same elements for the same seed
-and offset, and a backward regenerates the forward's mask instead of storing it.
+and offset, and a backward regenerates the forward's mask instead of storing it. A call's
+(query_start, key_start) are 0; a call on a block of a longer sequence (ring attention's steps) gives
+its first query's and first key's positions there (`at_positions`), and so drops exactly what the
+call on the whole sequence drops in that block.
 
 The comparison is on the 32-bit integer, never on a float, so no backend's rounding can flip a
 decision: threshold(p) = round(p * 2^32), at most 2^32 - 1.
 
-Each call draws a fresh 62-bit seed, with offset 0, from torch's generator of the tensors' device
+A call's rng is an int64 tensor (4,): (seed, offset, query_start, key_start). Each call draws a fresh
+62-bit seed, with offset and positions 0, from torch's generator of the tensors' device
 (a `torch.randint` on that device: no host synchronisation, traceable by torch.compile), or from the
 `generator` it is given: `torch.manual_seed` reproduces a run, and each call advances the generator,
 so two calls drop different elements.
@@ -74,19 +78,23 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
     return c0, c1, c2, c3
 
 
+RNG_SIZE = 4  # (seed, offset, query_start, key_start)
+
+
 def check_rng(rng, device: torch.device) -> None:
-    """A ValueError naming `dropout_rng` unless it is a call's (seed, offset): int64 (2,) on `device`."""
-    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.int64 or tuple(rng.shape) != (2,) \
+    """A ValueError naming `dropout_rng` unless it is a call's (seed, offset, query_start, key_start):
+    int64 (4,) on `device`."""
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.int64 or tuple(rng.shape) != (RNG_SIZE,) \
             or rng.device != device:
         described = (f"{tuple(rng.shape)} {rng.dtype} on {rng.device}" if isinstance(rng, torch.Tensor)
                      else type(rng).__name__)
-        raise ValueError(f"dropout_rng: expected an int64 tensor (2,) of (seed, offset) on {device}, "
-                         f"got {described}")
+        raise ValueError(f"dropout_rng: expected an int64 tensor (4,) of (seed, offset, query_start, key_start) "
+                         f"on {device}, got {described}")
 
 
 class Dropout(NamedTuple):
-    """What a call asks of dropout: the probability and its (seed, offset), an int64 tensor (2,) on
-    the tensors' device, so that kernels read it without a host synchronisation and torch.compile
+    """What a call asks of dropout: the probability and its (seed, offset, query_start, key_start), an
+    int64 tensor (4,) on the tensors' device, so that kernels read it without a host synchronisation and torch.compile
     traces it as data."""
 
     p: float
@@ -104,9 +112,9 @@ class Dropout(NamedTuple):
 def bits(rng: torch.Tensor, batch: int, heads: int, len_q: int, len_k: int) -> torch.Tensor:
     """The 32-bit random integer of every element (B, H_q, L_q, L_k), as int64 on rng's device."""
     as_long = dict(dtype=torch.int64, device=rng.device)
-    seed, offset = rng[0], rng[1]
-    keys = torch.arange(len_k, **as_long)
-    queries = torch.arange(len_q, **as_long)[:, None, None]
+    seed, offset, query_start, key_start = rng.unbind()
+    keys = torch.arange(len_k, **as_long) + key_start
+    queries = (torch.arange(len_q, **as_long) + query_start)[:, None, None]
     batch_heads = torch.arange(batch * heads, **as_long)[:, None, None, None]
     outputs = philox4x32_10(keys // 4, queries, batch_heads, offset & MASK_32, seed & MASK_32,
                             (seed >> 32) & MASK_32)
@@ -129,13 +137,19 @@ def _default_generator(device: torch.device) -> torch.Generator:
 
 
 def next_rng(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """A call's (seed, offset) as an int64 tensor (2,) on `device`: a seed drawn from `generator` or
-    the default generator of `device` (advancing it), offset 0."""
+    """A call's (seed, offset, query_start, key_start) as an int64 tensor (4,) on `device`: a seed drawn
+    from `generator` or the default generator of `device` (advancing it), the rest 0."""
     options = dict(dtype=torch.int64, device=device)
     # Without a generator argument, so that torch.compile traces the draw as any random op.
     draw = {} if generator is None else {"generator": generator}
     seed = torch.randint(0, 2 ** 62, (1,), **draw, **options)
-    return torch.cat([seed, torch.zeros(1, **options)])
+    return torch.cat([seed, torch.zeros(RNG_SIZE - 1, **options)])
+
+
+def shifted_rng(rng: torch.Tensor, offset: int = 0, query_start: int = 0, key_start: int = 0) -> torch.Tensor:
+    """`rng` with its offset and positions advanced: the stream of sequence `offset` of a packed batch, or
+    of the block whose first query and key sit at `query_start` and `key_start` of the call's sequence."""
+    return rng + torch.tensor([0, offset, query_start, key_start], dtype=torch.int64, device=rng.device)
 
 
 def peek_rng(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:

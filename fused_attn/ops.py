@@ -39,10 +39,10 @@ def _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scal
 
 def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
              seq_first, backend, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0,
-             alibi_slopes=None):
+             alibi_slopes=None, diagonal_shift=0):
     return _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
                         _dropout(dropout_p, dropout_rng, query), seq_first, backend,
-                        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes))
+                        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift))
 
 
 @torch.library.custom_op("fused_attn::attention_fwd", mutates_args=())
@@ -50,15 +50,15 @@ def attention_fwd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
                   key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, dropout_p: float,
                   dropout_rng: Optional[Tensor], seq_first: bool, backend: str, window_left: int = -1,
                   window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
-                  alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                  alibi_slopes: Optional[Tensor] = None, diagonal_shift: int = 0) -> tuple[Tensor, Tensor]:
     """(B, H_q, L_q, D_v) output, laid out as in `output_like`, and its log-sum-exp (B, H_q, L_q).
 
-    `dropout_rng` is the call's (seed, offset), int64 (2,) (fused_attn.dropout), when dropout_p > 0.
-    The last five arguments are the call's fused_attn.scores.ScoreVariant (`op_args`).
+    `dropout_rng` is the call's (seed, offset, query_start, key_start), int64 (4,) (fused_attn.dropout),
+    when dropout_p > 0. The last six arguments are the call's fused_attn.scores.ScoreVariant (`op_args`).
     """
     return _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                     dropout_rng, seq_first, backend, window_left, window_right, bottom_right, softcap,
-                    alibi_slopes)
+                    alibi_slopes, diagonal_shift)
 
 
 def needs_op(*tensors: Optional[Tensor]) -> bool:
@@ -88,7 +88,7 @@ def attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                         dropout_rng, seq_first, backend, window_left=-1, window_right=-1, bottom_right=False,
-                        softcap=0.0, alibi_slopes=None):
+                        softcap=0.0, alibi_slopes=None, diagonal_shift=0):
     out = output_like(query, value.shape[-1], seq_first)
     lse = query.new_empty(query.shape[:-1], dtype=lse_dtype(query.dtype))
     return out, lse
@@ -100,12 +100,12 @@ def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, k
                   key_padding_mask: Optional[Tensor], is_causal: bool, scale: float, dropout_p: float,
                   dropout_rng: Optional[Tensor], backend: str, mask_grad: bool = False,
                   window_left: int = -1, window_right: int = -1, bottom_right: bool = False,
-                  softcap: float = 0.0,
-                  alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+                  diagonal_shift: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients with respect to query, key, value and, with `mask_grad`, the (additive) mask as the
     kernels see it, (B, H_q, L_q, L_k); without, an empty tensor in its place."""
     grad_mask = _new_grad_mask(query, attn_mask, mask_grad)
-    variant = from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes)
+    variant = from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift)
     grads = registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
                                            scale, out, lse, grad_out, grad_lse,
                                            _dropout(dropout_p, dropout_rng, query),
@@ -124,18 +124,19 @@ def _new_grad_mask(query: Tensor, attn_mask: Optional[Tensor], mask_grad: bool) 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
                         is_causal, scale, dropout_p, dropout_rng, backend, mask_grad=False, window_left=-1,
-                        window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None):
+                        window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None, diagonal_shift=0):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
             _new_grad_mask(query, attn_mask, mask_grad))
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng, _, backend,
-     window_left, window_right, bottom_right, softcap, alibi_slopes) = inputs
+     window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng, alibi_slopes)
     ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
     ctx.variant_args = (window_left, window_right, bottom_right, softcap)
+    ctx.diagonal_shift = diagonal_shift
     ctx.set_materialize_grads(False)
 
 
@@ -146,9 +147,10 @@ def _backward(ctx, grad_out, grad_lse):
     mask_grad = bool(ctx.needs_input_grad[3])
     grad_query, grad_key, grad_value, grad_mask = attention_bwd(
         grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal,
-        ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, mask_grad, *ctx.variant_args, alibi_slopes)
+        ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, mask_grad, *ctx.variant_args, alibi_slopes,
+        ctx.diagonal_shift)
     return (grad_query, grad_key, grad_value, grad_mask if mask_grad else None,
-            None, None, None, None, None, None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

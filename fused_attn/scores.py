@@ -6,7 +6,9 @@ Query i sees key j iff
     -left <= j - (i + offset) <= right        (a bound of -1 is unbounded)
 
 with offset = 0 when the diagonal is aligned top-left (SDPA's `is_causal`) and L_k - L_q when it is
-aligned bottom-right (flash-attn's: the last query sits on the last key, as in a KV-cache step).
+aligned bottom-right (flash-attn's: the last query sits on the last key, as in a KV-cache step), or any
+integer given as the alignment (a block of a longer sequence: queries from position p against keys from
+position p', offset p - p', as ring attention's steps are).
 `is_causal` is right = 0, with or without a window. A visible score s = scale * q_i . k_j becomes
 
     softcap * tanh(s / softcap)               (softcap > 0, Gemma 2's logit cap)
@@ -42,10 +44,11 @@ class ScoreVariant:
     window_right: int = UNBOUNDED
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
+    diagonal_shift: int = 0  # added to the alignment's offset (an integer causal_alignment)
 
     def offset(self, len_q: int, len_k: int) -> int:
         """Key index of query 0's diagonal."""
-        return len_k - len_q if self.bottom_right else 0
+        return (len_k - len_q if self.bottom_right else 0) + self.diagonal_shift
 
     def bounds(self, is_causal: bool) -> tuple[int, int]:
         """(left, right) of the visible band, `is_causal` folded in as right = 0."""
@@ -56,7 +59,7 @@ class ScoreVariant:
         matches them against a backend's `takes_score_variants`."""
         left, right = self.bounds(is_causal)
         names = []
-        if self.bottom_right and (left != UNBOUNDED or right != UNBOUNDED or self.alibi_slopes is not None):
+        if (self.bottom_right or self.diagonal_shift) and (left != UNBOUNDED or right != UNBOUNDED or self.alibi_slopes is not None):
             names.append("bottom_right")
         if self.window_left != UNBOUNDED or self.window_right != UNBOUNDED:
             names.append("window")
@@ -67,16 +70,18 @@ class ScoreVariant:
         return tuple(names)
 
     def op_args(self) -> tuple:
-        """(window_left, window_right, bottom_right, softcap, alibi_slopes): the ops' flat arguments."""
-        return self.window_left, self.window_right, self.bottom_right, self.softcap, self.alibi_slopes
+        """(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift): the ops' flat
+        arguments."""
+        return (self.window_left, self.window_right, self.bottom_right, self.softcap, self.alibi_slopes,
+                self.diagonal_shift)
 
 
 PLAIN = ScoreVariant()
 
 
 def from_op_args(window_left: int, window_right: int, bottom_right: bool, softcap: float,
-                 alibi_slopes: torch.Tensor | None) -> ScoreVariant:
-    return ScoreVariant(bottom_right, window_left, window_right, softcap, alibi_slopes)
+                 alibi_slopes: torch.Tensor | None, diagonal_shift: int = 0) -> ScoreVariant:
+    return ScoreVariant(bottom_right, window_left, window_right, softcap, alibi_slopes, diagonal_shift)
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -124,8 +129,12 @@ def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap,
         unvaried = _UNVARIED.get(causal_alignment)
         if unvaried is not None:
             return unvaried
+    shift = 0
+    if isinstance(causal_alignment, numbers.Integral) and not isinstance(causal_alignment, bool):
+        causal_alignment, shift = "top_left", int(causal_alignment)
     if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS}, got {causal_alignment!r}")
+        raise ValueError(f"causal_alignment: expected one of {ALIGNMENTS} or an int (the offset), "
+                         f"got {causal_alignment!r}")
     left, right = _window(window_size)
     if softcap is None:
         softcap = 0.0
@@ -133,7 +142,7 @@ def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap,
             or softcap < 0:
         raise ValueError(f"softcap: expected None or a finite number >= 0 (0: no cap), got {softcap!r}")
     return ScoreVariant(causal_alignment == "bottom_right", left, right, float(softcap),
-                        _alibi(alibi_slopes, query))
+                        _alibi(alibi_slopes, query), shift)
 
 
 def causal_bias_variant(attn_mask, query: torch.Tensor, key: torch.Tensor) -> str | None:

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .backends import reference
-from .dropout import Dropout, keep_mask, peek_rng
+from .dropout import Dropout, keep_mask, next_rng, peek_rng, shifted_rng
 from .scores import PLAIN, ScoreVariant, variant_of
 
 # Floors, relative to the largest magnitude of the float64 result (at least 1).
@@ -230,7 +230,7 @@ class Case:
     dropout_p: float = 0.0
     mask_grad: bool = False          # the (additive) mask requires grad: a learned bias
     # The score variant (fused_attn.scores).
-    causal_alignment: str = "top_left"
+    causal_alignment: str | int = "top_left"  # or an integer offset
     window: tuple[int, int] | None = None  # window_size=(left, right)
     softcap: float = 0.0
     alibi: str | None = None         # ALiBi slopes of shape "heads" (H_q,) or "batch" (B, H_q)
@@ -256,6 +256,18 @@ DECODE_CASES = {
                                     hidden_rows=True, lse_grad=True),
     "bool_mask_mqa_odd_dims": Case(len_q=3, len_k=280, heads_q=6, heads_kv=1, mask="bool", dim_qk=40, dim_v=24,
                                    key_padding=True),
+}
+
+
+# Integer alignments (blocks of a longer sequence, as ring attention's steps): the diagonal anywhere, with
+# the features whose values depend on it; every backend's variant tests run them.
+INTEGER_ALIGNMENT_CASES = {
+    "integer_offset_alibi_dropout_window": Case(len_q=29, len_k=53, is_causal=True, causal_alignment=17,
+                                               window=(12, -1), alibi="heads", dropout_p=0.2, key_padding=True,
+                                               lse_grad=True),
+    "negative_offset_hides_rows": Case(len_q=26, len_k=41, is_causal=True, causal_alignment=-9, softcap=2.0,
+                                      alibi="batch"),
+    "far_offset_window": Case(len_q=20, len_k=40, causal_alignment=1000, window=(990, -1), alibi="heads"),
 }
 
 
@@ -499,3 +511,23 @@ def run_attention(inputs: Inputs, backend: str) -> Results:
         grads_in.append(inputs.grad_lse)
     grads = torch.autograd.grad(outputs, (q, k, v, mask) if case.mask_grad else (q, k, v), grads_in)
     return Results(out.detach(), lse.detach(), *grads)
+
+
+def check_dropout_at_positions(backend, rows: tuple[int, int], keys: tuple[int, int], dtype: torch.dtype,
+                               generator: torch.Generator) -> None:
+    """Asserts that `backend` (its forward and backward) on rows q0:q1 and keys k0:k1 of a (2, 3, 17 or 40,
+    16) problem, given the rng shifted to (q0, k0), drops exactly the elements the whole call drops there."""
+    (q0, q1), (k0, k1) = rows, keys
+    q, k, v = (torch.randn(2, 3, length, 16, generator=generator, dtype=dtype) for length in (17, 40, 40))
+    whole = Dropout(0.3, next_rng(q.device, generator))
+    block = Dropout(0.3, shifted_rng(whole.rng, query_start=q0, key_start=k0))
+    q, k, v = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
+    keep = keep_mask(whole, 2, 3, 17, 40)[:, :, q0:q1, k0:k1]
+    assert torch.equal(keep_mask(block, 2, 3, q1 - q0, k1 - k0), keep)
+    out = torch.empty(q.shape[:-1] + (16,), dtype=dtype)
+    lse = backend.forward(q, k, v, None, None, False, 0.25, out, block)
+    weights = torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1)
+    torch.testing.assert_close(out, (weights * keep / 0.7) @ v, atol=3e-5, rtol=3e-5)
+    grad_out = torch.randn(out.shape, generator=generator, dtype=dtype)
+    grads = backend.backward(q, k, v, None, None, False, 0.25, out, lse, grad_out, None, block)
+    torch.testing.assert_close(grads[2], (weights * keep / 0.7).transpose(-1, -2) @ grad_out, atol=3e-5, rtol=3e-5)

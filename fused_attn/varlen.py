@@ -108,13 +108,15 @@ def _new_outputs(query, value) -> tuple[Tensor, Tensor]:
 
 
 def _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-                    dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes):
+                    dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes,
+                    diagonal_shift):
     _check_op_args(query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_rng,
                    alibi_slopes)
     out, lse = _new_outputs(query, value)
     registry.get(backend).forward_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
-        _dropout(dropout_p, dropout_rng), from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes))
+        _dropout(dropout_p, dropout_rng),
+        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift))
     return out, lse
 
 
@@ -122,18 +124,18 @@ def _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 def varlen_fwd(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float, dropout_p: float,
                dropout_rng: Optional[Tensor], backend: str, window_left: int = -1, window_right: int = -1,
-               bottom_right: bool = False, softcap: float = 0.0,
-               alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               bottom_right: bool = False, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+               diagonal_shift: int = 0) -> tuple[Tensor, Tensor]:
     """Packed output (total_q, H_q, D_v) and log-sum-exp (H_q, total_q); max_seqlen -1: not given."""
     return _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                            scale, dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap,
-                           alibi_slopes)
+                           alibi_slopes, diagonal_shift)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                      dropout_p, dropout_rng, backend, window_left=-1, window_right=-1, bottom_right=False,
-                     softcap=0.0, alibi_slopes=None):
+                     softcap=0.0, alibi_slopes=None, diagonal_shift=0):
     return _new_outputs(query, value)
 
 
@@ -142,29 +144,31 @@ def varlen_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key:
                out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                max_seqlen_k: int, is_causal: bool, scale: float, dropout_p: float, dropout_rng: Optional[Tensor],
                backend: str, window_left: int = -1, window_right: int = -1, bottom_right: bool = False,
-               softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+               softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+               diagonal_shift: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Packed gradients of query, key and value."""
     return registry.get(backend).backward_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
         grad_out, grad_lse, _dropout(dropout_p, dropout_rng),
-        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes))
+        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift))
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, is_causal, scale, dropout_p, dropout_rng, backend, window_left=-1, window_right=-1, bottom_right=False,
-                     softcap=0.0, alibi_slopes=None):
+                     softcap=0.0, alibi_slopes=None, diagonal_shift=0):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p,
-     dropout_rng, backend, *variant_args) = inputs
+     dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, variant_args[-1])
+    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes)
     ctx.max_seqlens = max_seqlen_q, max_seqlen_k
     ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
-    ctx.variant_args = tuple(variant_args[:-1])
+    ctx.variant_args = (window_left, window_right, bottom_right, softcap)
+    ctx.diagonal_shift = diagonal_shift
     ctx.set_materialize_grads(False)
 
 
@@ -173,8 +177,9 @@ def _backward(ctx, grad_out, grad_lse):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = varlen_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
-                       ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, *ctx.variant_args, alibi_slopes)
-    return (*grads, *([None] * 14))
+                       ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, *ctx.variant_args, alibi_slopes,
+                       ctx.diagonal_shift)
+    return (*grads, *([None] * 15))
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -197,7 +202,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             omitted, those backends read them from the lengths (a host synchronisation on a GPU).
         dropout_p, is_causal, scale, causal_alignment, window_size, softcap, generator: as in
             `fused_attn.attention`, positions counted within each sequence ("bottom_right" aligns
-            each sequence's last query with its last key).
+            each sequence's last query with its last key; an integer alignment is not taken).
         alibi_slopes: float32 (H_q,) or (B, H_q), a row per sequence.
         return_lse: also return the log-sum-exp, (H_q, total_q) (as flash-attn), float32 (float64
             for float64 inputs).
@@ -220,6 +225,9 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     # The variant's keywords are checked against a (B, H_q) batch of sequences.
     variant = variant_of(query.new_empty((batch, heads_q, 0, 0)), causal_alignment, window_size, softcap,
                          alibi_slopes)
+    if variant.diagonal_shift:
+        raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right' for a packed batch (each "
+                         f"sequence has its own diagonal), got the offset {causal_alignment!r}")
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     # The registry decides on the largest problem the call could be (lengths are not read here).
     problem = Problem(query.device, query.dtype, batch, heads_q, heads_kv, max_q if max_q >= 0 else query.shape[0],

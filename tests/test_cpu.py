@@ -394,6 +394,7 @@ VARIANT_CASES = {
                                dropout_p=0.2, lse_grad=True, dim_qk=20),
     "window_hides_rows": testing.Case(len_q=40, len_k=30, window=(0, 0), causal_alignment="top_left",
                                       hidden_rows=True, mask="bool", key_padding=True),
+    **testing.INTEGER_ALIGNMENT_CASES,
 }
 
 

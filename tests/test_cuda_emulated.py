@@ -105,6 +105,7 @@ VARIANT_CASES = {
                        window=(20, 3), softcap=3.0, alibi="batch", mask="additive", mask_grad=True, mask_shape="2d",
                        key_padding=True, dropout_p=0.2, lse_grad=True, dim_qk=20),
     "window_hides_rows": Case(len_q=40, len_k=30, window=(0, 0), hidden_rows=True, mask="bool", key_padding=True),
+    **testing.INTEGER_ALIGNMENT_CASES,
 }
 # Few query rows: the forward runs the split-KV decode kernels (a GQA group's G · L_q rows in one tile
 # of 16 or 64, keys split by the SM count: 4 in the emulation, 2 splits from 512 keys on).
@@ -271,7 +272,7 @@ def test_emulated_decode_selection_and_split_count(emulated, monkeypatch):
     def splits(batch, heads_q, heads_kv, len_q, len_k, dim=16, dropout_p=0.0):
         q = torch.empty(batch, heads_q, len_q, dim)
         k = torch.empty(batch, heads_kv, len_k, dim)
-        rng = torch.tensor([1, 2]) if dropout_p else None
+        rng = torch.tensor([1, 2, 0, 0]) if dropout_p else None
         return emulated.decode_splits(q, k, k, dropout_p, rng)
 
     assert splits(1, 1, 1, 1, 4096) == 8  # 1 block -> 2 per SM, keys allow it
@@ -388,7 +389,7 @@ def test_emulated_varlen_glue_rejects_bad_arguments(emulated, change, message):
     with pytest.raises(RuntimeError, match=message):
         emulated.forward_varlen(args["query"], args["key"], args["value"], args["cu_seqlens_q"], args["cu_seqlens_k"],
                                 args["max_seqlen_q"], args["max_seqlen_k"], False, 0.25, args["out"], args["lse"], 0.0,
-                                None, -1, -1, False, 0.0, args["alibi_slopes"])
+                                None, -1, -1, False, 0.0, args["alibi_slopes"], 0)
 
 
 @pytest.mark.emulated_cuda
@@ -472,6 +473,15 @@ def test_emulated_glue_rejects_outputs_sharing_memory(emulated):
 
 
 @pytest.mark.emulated_cuda
+@pytest.mark.parametrize("rows, keys", [((3, 11), (8, 40)), ((0, 17), (5, 38)), ((2, 15), (6, 31)),
+                                        ((4, 16), (11, 40))])
+def test_emulated_dropout_at_positions_drops_what_the_whole_call_drops(emulated, rows, keys, generator):
+    """A block of a longer sequence with its (query_start, key_start): four keys straddle two Philox
+    blocks when the key start is not a multiple of 4 (kept4)."""
+    testing.check_dropout_at_positions(EmulatedBackend(emulated), rows, keys, torch.float32, generator)
+
+
+@pytest.mark.emulated_cuda
 def test_emulated_glue_rejects_bad_backward_arguments(emulated):
     q = torch.zeros(1, 2, 8, 16)
     lse = torch.zeros(1, 2, 8, dtype=torch.float64)
@@ -479,9 +489,9 @@ def test_emulated_glue_rejects_bad_backward_arguments(emulated):
         emulated.backward(q, q, q, None, None, False, 0.25, q, lse, q, None)
     with pytest.raises(RuntimeError, match="grad_lse must have shape"):
         emulated.backward(q, q, q, None, None, False, 0.25, q, lse.float(), q, torch.zeros(1, 2, 7))
-    rng = torch.tensor([5, 0])
+    rng = torch.tensor([5, 0, 0, 0])
     for dropout_p, dropout_rng, message in ((1.0, rng, "dropout_p must be in"), (0.1, None, "dropout_rng"),
-                                            (0.1, rng.int(), "int64 tensor"), (0.1, torch.zeros(4, dtype=torch.long)[::2],
+                                            (0.1, rng.int(), "int64 tensor"), (0.1, torch.zeros(8, dtype=torch.long)[::2],
                                                                                "contiguous")):
         with pytest.raises(RuntimeError, match=message):
             emulated.forward(q, q, q, None, None, False, 0.25, torch.empty_like(q), dropout_p, dropout_rng)

@@ -75,6 +75,17 @@ CASES = {
         "contiguous_fp32_cross_bottom_right": _case(10, "contiguous", torch.float32, 3, len_k=14, is_causal=True,
                                                     causal_alignment="bottom_right", key_padding=True),
         "zigzag_fp32_cross_top_left": _case(12, "zigzag", torch.float32, 4, len_k=20, is_causal=True),
+        # Dropout and ALiBi: one call per chunk pair, at its global positions.
+        "zigzag_fp32_causal_dropout_alibi_padding": _case(20, "zigzag", torch.float32, 1, is_causal=True,
+                                                          dropout_p=0.3, alibi="heads", key_padding=True,
+                                                          lse_grad=True),
+        "contiguous_bf16_dropout_gqa": _case(22, "contiguous", torch.bfloat16, 2, dropout_p=0.2, heads_q=4,
+                                             heads_kv=2),
+        "zigzag_fp64_cross_bottom_right_alibi_window_softcap": _case(12, "zigzag", torch.float64, 3, len_k=20,
+                                                                     is_causal=True, causal_alignment="bottom_right",
+                                                                     window=(6, 0), alibi="batch", softcap=2.0),
+        "contiguous_fp32_window_both_sides_alibi_dropout": _case(18, "contiguous", torch.float32, 4, window=(3, 4),
+                                                                 alibi="heads", dropout_p=0.25),
     },
     4: {
         "zigzag_fp32_causal_gqa_padding_lse_grad": _case(24, "zigzag", torch.float32, 0, is_causal=True,
@@ -82,6 +93,8 @@ CASES = {
         "contiguous_bf16_causal_window": _case(20, "contiguous", torch.bfloat16, 1, is_causal=True, window=(6, 0)),
         "zigzag_bf16": _case(40, "zigzag", torch.bfloat16, 2),
         "contiguous_fp32_window_both_sides": _case(36, "contiguous", torch.float32, 3, window=(4, 7)),
+        "zigzag_fp32_causal_dropout_alibi_gqa": _case(24, "zigzag", torch.float32, 0, is_causal=True, dropout_p=0.2,
+                                                      alibi="batch", heads_q=4, heads_kv=2, lse_grad=True),
     },
 }
 
@@ -100,11 +113,12 @@ def _run_case(name: str, ring_case: RingCase, rank: int, out_dir: str) -> None:
         return None if tensor is None else distributed.shard(tensor, layout, dim=dim)
 
     q, k, v = (local(t).detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    # Every rank's generator is seeded alike; rank 0's draw is the ring's seed, the reference's too.
     out, lse = distributed.ring_attention(
         q, k, v, is_causal=case.is_causal, layout=layout, scale=case.scale,
         enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=local(inputs.key_padding_mask, dim=1),
-        window_size=case.window, causal_alignment=case.causal_alignment, softcap=case.softcap or None,
-        return_lse=True)
+        dropout_p=case.dropout_p, generator=inputs.dropout_generator(), return_lse=True,
+        **inputs.variant_keywords())
     outputs, grads_in = [out], [local(inputs.grad_out)]
     if inputs.grad_lse is not None:
         outputs.append(lse)
@@ -193,10 +207,12 @@ PLAN_SETTINGS = [
 ]
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "per_chunk_pair"])
 @pytest.mark.parametrize("layout", distributed.LAYOUTS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("lengths", [(6, 6), (10, 10), (6, 14)])
-def test_plans_cover_each_visible_score_once(layout, world, lengths):
+def test_plans_cover_each_visible_score_once(layout, world, lengths, merge):
+    """Without merging (ALiBi, dropout), every part also knows where its block starts globally."""
     len_q, len_k = lengths
     for band in PLAN_SETTINGS:
         low, high = band["low"], band["high"]
@@ -212,8 +228,12 @@ def test_plans_cover_each_visible_score_once(layout, world, lengths):
                 if high is not None:
                     expected &= distance <= high
                 parts = distributed.plan_step(low, high, distributed.rank_chunks(layout, rank, world, len_q),
-                                              distributed.rank_chunks(layout, source, world, len_k))
+                                              distributed.rank_chunks(layout, source, world, len_k), merge)
                 assert torch.equal(_visible(parts, len_q, len_k), expected.long()), (band, rank, step)
+                for part in parts if not merge else ():
+                    # One chunk pair: local rows and keys are consecutive global positions from the starts.
+                    assert torch.equal(queries[part.q0:part.q1], torch.arange(part.q_start, part.q_start + part.q1 - part.q0))
+                    assert torch.equal(keys[part.k0:part.k1], torch.arange(part.k_start, part.k_start + part.k1 - part.k0))
 
 
 def test_zigzag_gives_every_rank_the_same_causal_work():
@@ -274,12 +294,26 @@ def test_one_rank_is_the_single_device_call(one_process_group):
         assert torch.equal(distributed.gather(distributed.shard(q, layout), layout), q)
 
 
+def test_one_rank_with_dropout_and_alibi_is_the_single_device_call(one_process_group):
+    import fused_attn
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 12, 8, generator=generator) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25])
+    for layout in distributed.LAYOUTS:
+        out = distributed.ring_attention(q, k, v, is_causal=True, layout=layout, dropout_p=0.3, alibi_slopes=slopes,
+                                         generator=torch.Generator().manual_seed(9))
+        expected = fused_attn.attention(q, k, v, is_causal=True, dropout_p=0.3, alibi_slopes=slopes,
+                                        generator=torch.Generator().manual_seed(9))
+        torch.testing.assert_close(out, expected)
+
+
 def test_refusals_name_the_argument(one_process_group):
     x = torch.randn(1, 2, 6, 8)
-    with pytest.raises(NotImplementedError, match="dropout_p: .*offset"):
-        distributed.ring_attention(x, x, x, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        distributed.ring_attention(x, x, x, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="dropout_p: expected a number in"):
+        distributed.ring_attention(x, x, x, dropout_p=1.5)
+    with pytest.raises(ValueError, match="alibi_slopes: expected shape"):
+        distributed.ring_attention(x, x, x, alibi_slopes=torch.ones(3))
     with pytest.raises(ValueError, match="layout: expected one of"):
         distributed.ring_attention(x, x, x, layout="striped")
     with pytest.raises(ValueError, match="query: layout='zigzag' needs an even local length"):

@@ -28,14 +28,17 @@ def test_philox_known_answers(counter, key, expected):
     assert tuple(int(x) for x in dropout.philox4x32_10(*counters, *key)) == expected
 
 
-def test_bits_are_the_formula_element_by_element():
-    rng = torch.tensor([-0x0123_4567_89AB_CDEF, 5])  # a seed with the top bit set, as CUDA's can be
+@pytest.mark.parametrize("query_start, key_start", [(0, 0), (7, 6), (3, 8)])
+def test_bits_are_the_formula_element_by_element(query_start, key_start):
+    # A seed with the top bit set, as CUDA's can be; positions as a block of a longer sequence has them.
+    rng = torch.tensor([-0x0123_4567_89AB_CDEF, 5, query_start, key_start])
     bits = dropout.bits(rng, 2, 3, 5, 11)
     seed = int(rng[0]) % 2 ** 64
     for b, h, i, j in [(0, 0, 0, 0), (1, 2, 4, 10), (0, 1, 3, 7), (1, 0, 2, 5)]:
-        block = dropout.philox4x32_10(*(torch.tensor(c) for c in (j // 4, i, b * 3 + h, 5)),
+        row, key = query_start + i, key_start + j
+        block = dropout.philox4x32_10(*(torch.tensor(c) for c in (key // 4, row, b * 3 + h, 5)),
                                       seed % 2 ** 32, seed >> 32)
-        assert int(bits[b, h, i, j]) == int(block[j % 4])
+        assert int(bits[b, h, i, j]) == int(block[key % 4])
 
 
 def test_threshold_is_exact_at_the_ends():
@@ -141,12 +144,24 @@ def test_kernels_take_seeds_with_the_top_bit_set(backend, generator):
     """A seed of 2^63 or more (as a CUDA generator's can be) travels as a negative int64: the kernels
     split it into the same two 32-bit key words as the formula."""
     q, k, v = (torch.randn(1, 2, 13, 8, generator=generator) for _ in range(3))
-    drop = dropout.Dropout(0.4, torch.tensor([-0x0123_4567_89AB_CDEF, 5]))
+    drop = dropout.Dropout(0.4, torch.tensor([-0x0123_4567_89AB_CDEF, 5, 0, 0]))
     out = torch.empty_like(q)
     registry.get(backend).forward(q, k, v, None, None, False, 8 ** -0.5, out, drop)
     keep = dropout.keep_mask(drop, 1, 2, 13, 13)
     expected = (torch.softmax(q @ k.transpose(-1, -2) * 8 ** -0.5, dim=-1) * keep / 0.6) @ v
     torch.testing.assert_close(out, expected, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.usefixtures("interpreter_remedies")
+@pytest.mark.parametrize("backend", dropout_backends())
+@pytest.mark.parametrize("rows, keys", [((3, 11), (8, 40)), ((0, 17), (5, 38)), ((9, 10), (33, 34)), ((2, 15), (6, 31)),
+                                        ((4, 16), (11, 40))])
+def test_a_block_with_its_positions_drops_what_the_whole_call_drops(backend, rows, keys, generator):
+    """A call on rows q0:q1 and keys k0:k1 of a longer sequence, given (query_start, key_start) =
+    (q0, k0), drops exactly the whole call's elements of that block, forward and backward; key starts
+    that are not a multiple of 4 straddle Philox blocks. Ring attention's steps rely on it."""
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    testing.check_dropout_at_positions(registry.get(backend), rows, keys, dtype, generator)
 
 
 @pytest.mark.parametrize("rng, message", [
@@ -158,7 +173,7 @@ def test_op_checks_the_dropout_rng(rng, message):
     from fused_attn import ops
 
     q = torch.randn(1, 1, 4, 8)
-    with pytest.raises(ValueError, match=rf"dropout_rng: expected an int64 tensor \(2,\).*{message}"):
+    with pytest.raises(ValueError, match=rf"dropout_rng: expected an int64 tensor \(4,\).*{message}"):
         ops.attention_fwd(q, q, q, None, None, False, 0.3, 0.2, rng, False, "reference")
 
 

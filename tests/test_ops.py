@@ -30,7 +30,7 @@ def sample_inputs(dtype=torch.float32, requires_grad=True):
     additive = testing.random_mask((2, 4, 5, 6), "additive", dtype, generator=generator)
     padding = torch.rand(2, 6, generator=generator) < 0.3
     q, k, v = tensor((2, 4, 5, 8), "packed"), tensor((2, 2, 6, 8), "seq_first"), tensor((2, 2, 6, 3), "reversed")
-    rng = torch.tensor([0x1234_5678_9ABC_DEF0, 3])  # (seed, offset) of fused_attn.dropout
+    rng = torch.tensor([0x1234_5678_9ABC_DEF0, 3, 5, 7])  # (seed, offset, query_start, key_start): fused_attn.dropout
     # (q, k, v, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng, seq_first)
     return [
         ((q, k, v, None, None, False, 0.35, 0.0, None, False), "gqa, plain"),

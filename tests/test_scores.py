@@ -33,12 +33,12 @@ def explicit_window_mask(len_q, len_k, left, right, offset):
 
 # ---- the reference against independent formulations ------------------------------------------------
 
-@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right", 7, -5])
 @pytest.mark.parametrize("window", [(4, 2), (0, -1), (-1, 3), (2, 0)])
 @pytest.mark.parametrize("lengths", [(13, 29), (29, 13)])
 def test_reference_window_is_the_explicit_mask(generator, alignment, window, lengths):
     q, k, v = qkv(generator, *lengths)
-    offset = lengths[1] - lengths[0] if alignment == "bottom_right" else 0
+    offset = {"top_left": 0, "bottom_right": lengths[1] - lengths[0]}.get(alignment, alignment)
     mask = explicit_window_mask(*lengths, *window, offset)
     got = fused_attn.attention(q, k, v, window_size=window, causal_alignment=alignment, backend="reference")
     torch.testing.assert_close(got, fused_attn.attention(q, k, v, mask, backend="reference"))
@@ -60,6 +60,23 @@ def test_causal_alignment_matches_sdpa_causal_bias(generator, lengths):
             torch.testing.assert_close(as_keyword[seen], expected[seen])
             assert torch.equal(as_keyword, as_bias)
             assert (as_keyword[~seen] == 0).all()
+
+
+def test_integer_alignment_places_alibi_and_the_band(generator):
+    """An integer alignment is the offset itself: the same call as bottom-right alignment when it equals
+    L_k - L_q, and ALiBi's distances measured from the shifted diagonal."""
+    q, k, v = qkv(generator, 13, 29)
+    slopes = torch.rand(3) + 0.1
+    for backend in ("reference", "cpu"):
+        as_offset = fused_attn.attention(q, k, v, is_causal=True, causal_alignment=16, alibi_slopes=slopes,
+                                         backend=backend)
+        aligned = fused_attn.attention(q, k, v, is_causal=True, causal_alignment="bottom_right", alibi_slopes=slopes,
+                                       backend=backend)
+        torch.testing.assert_close(as_offset, aligned)
+    distance = (torch.arange(29)[None, :] - torch.arange(13)[:, None] - 4).double()
+    bias = -slopes.double()[:, None, None] * distance.abs() + torch.where(distance <= 0, 0.0, float("-inf"))
+    got = fused_attn.attention(q, k, v, is_causal=True, causal_alignment=4, alibi_slopes=slopes, backend="cpu")
+    torch.testing.assert_close(got, fused_attn.attention(q, k, v, bias.expand(2, 3, 13, 29), backend="reference"))
 
 
 def test_softcap_and_alibi_are_the_explicit_terms(generator):
@@ -103,6 +120,8 @@ def test_split_heads_attention_takes_the_keywords(generator):
     (dict(softcap=-1.0), ValueError, "softcap: expected"),
     (dict(softcap=float("inf")), ValueError, "softcap: expected"),
     (dict(causal_alignment="lower_right"), ValueError, "causal_alignment: expected one of"),
+    (dict(causal_alignment=True), ValueError, "causal_alignment: expected one of"),
+    (dict(causal_alignment=2.0), ValueError, "causal_alignment: expected one of"),
     (dict(alibi_slopes=torch.ones(4)), ValueError, r"alibi_slopes: expected shape \(H_q,\)"),
     (dict(alibi_slopes=torch.ones(3, dtype=torch.float64)), TypeError, "alibi_slopes: expected dtype torch.float32"),
     (dict(alibi_slopes=torch.ones(3, requires_grad=True)), ValueError, "alibi_slopes: expected a tensor that does not"),

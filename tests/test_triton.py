@@ -127,6 +127,7 @@ VARIANT_CASES = {
                        lse_grad=True, dim_qk=20),
     "window_hides_rows": Case(len_q=40, len_k=30, window=(0, 0), hidden_rows=True, mask="bool",
                               key_padding=True),
+    **testing.INTEGER_ALIGNMENT_CASES,
 }
 
 # Each rotation gives q, k, v, out and grad_out five different layouts, and across the rotations
@@ -264,7 +265,7 @@ def test_opcheck_with_triton_backend(generator):
     with tk.forced_configs(**SMALL_TILES):
         torch.library.opcheck(fused_attn.ops.attention_fwd,
                               (q, k, v, None, None, True, 0.25, 0.0, None, False, "triton"))
-        rng = torch.tensor([12345, 6], device=DEVICE)
+        rng = torch.tensor([12345, 6, 0, 0], device=DEVICE)
         torch.library.opcheck(fused_attn.ops.attention_fwd,
                               (q, k, v, None, None, True, 0.25, 0.2, rng, False, "triton"))
 

@@ -13,7 +13,7 @@ import torch
 import fused_attn
 from fused_attn import testing
 from fused_attn.backends import registry
-from fused_attn.dropout import Dropout, peek_rng
+from fused_attn.dropout import Dropout, peek_rng, shifted_rng
 from fused_attn.problem import Problem
 from fused_attn.scores import variant_of
 from fused_attn.varlen import varlen_fwd
@@ -234,7 +234,7 @@ def test_dropout_is_each_sequence_with_its_own_offset(generator, backend, dtype,
         one = [t[s0:s1].transpose(0, 1).unsqueeze(0) for t, s0, s1 in (
             (inputs.query, q0, q1), (inputs.key, k0, k1), (inputs.value, k0, k1), (inputs.grad_out, q0, q1))]
         variant = variant_of(one[0], case.causal_alignment, case.window, case.softcap, inputs.alibi_slopes[b:b + 1])
-        dropout = Dropout(0.3, rng + torch.tensor([0, b]))
+        dropout = Dropout(0.3, shifted_rng(rng, offset=b))
         options = dict(is_causal=True, dropout=dropout, variant=variant)
         exact = testing.reference_results(*one, dtype=torch.float64, **options)
         same = testing.reference_results(*one, dtype=dtype, **options)
@@ -379,3 +379,11 @@ def test_nested_tensors_take_what_pytorchs_nested_sdpa_refuses(generator):
         fused_attn.attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="key: expected a jagged nested tensor"):
         fused_attn.attention(q, torch.randn(3, 4, 20, 16), q)
+
+
+def test_an_integer_alignment_is_refused_for_packed_batches():
+    """Each sequence of a packed batch has its own diagonal: an offset for all of them is refused."""
+    q = torch.randn(10, 2, 8)
+    bounds = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="causal_alignment: expected 'top_left' or 'bottom_right' for a packed"):
+        fused_attn.attention_varlen(q, q, q, bounds, bounds, is_causal=True, causal_alignment=3)

@@ -132,8 +132,8 @@ void describe_padding_spans(Params& p, std::vector<int64_t>& spans) {
   if (!holes) p.key_padding.data = nullptr;
 }
 
-// The call's dropout: probability in [0, 1) and, when it is above 0, its (seed, offset) as an int64
-// CPU tensor of two elements (fused_attn/dropout.py draws it).
+// The call's dropout: probability in [0, 1) and, when it is above 0, its (seed, offset, query_start,
+// key_start) as an int64 CPU tensor of four elements (fused_attn/dropout.py draws it).
 fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
                                            const std::optional<at::Tensor>& dropout_rng) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, op, ": dropout_p: expected a number in [0, 1), got ",
@@ -142,12 +142,14 @@ fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
   if (dropout_p == 0.0) return d;
   TORCH_CHECK(dropout_rng.has_value() && dropout_rng->defined(), op,
               ": dropout_rng: expected the call's (seed, offset) with dropout_p > 0, got none");
-  check_tensor(op, "dropout_rng", *dropout_rng, 1, {2}, at::kLong);
+  check_tensor(op, "dropout_rng", *dropout_rng, 1, {4}, at::kLong);
   const at::Tensor rng = dropout_rng->contiguous();
   const int64_t* values = rng.data_ptr<int64_t>();
   d.enabled = true;
   d.seed = static_cast<uint64_t>(values[0]);
   d.offset = static_cast<uint32_t>(static_cast<uint64_t>(values[1]));
+  d.query_start = values[2];
+  d.key_start = values[3];
   d.threshold = fused_attn::dropout_threshold(dropout_p);
   d.keep_scale = 1.0 / (1.0 - dropout_p);
   return d;
@@ -156,7 +158,7 @@ fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
 // The call's score variant (fused_attn/scores.py) on top of what `describe` set: the window's bounds
 // (is_causal has made the right one 0), the diagonal, the softcap and the ALiBi slopes.
 void describe_variant(const char* op, Params& p, int64_t window_left, int64_t window_right, bool bottom_right,
-                      double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                      double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
   TORCH_CHECK(window_left >= -1 && window_right >= -1, op,
               ": window_left, window_right: expected -1 (unbounded) or a bound >= 0, got ", window_left, " and ",
               window_right);
@@ -164,7 +166,7 @@ void describe_variant(const char* op, Params& p, int64_t window_left, int64_t wi
               softcap);
   p.window_left = window_left;
   if (window_right != -1) p.window_right = p.window_right == -1 ? window_right : std::min(p.window_right, window_right);
-  p.diagonal = bottom_right ? p.len_k - p.len_q : 0;
+  p.diagonal = (bottom_right ? p.len_k - p.len_q : 0) + diagonal_shift;
   p.softcap = softcap;
   if (alibi_slopes.has_value() && alibi_slopes->defined()) {
     check_tensor(op, "alibi_slopes", *alibi_slopes, 2, {p.batch, p.heads_q}, at::kFloat);
@@ -334,11 +336,11 @@ at::Tensor forward_of(const char* op, const at::Tensor& query, const at::Tensor&
                       bool is_causal, double scale, const at::Tensor& out, double dropout_p,
                       const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
                       bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                      const PagedCache& paged) {
+                      int64_t diagonal_shift, const PagedCache& paged) {
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   describe_pages(p, paged);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
-  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes);
+  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift);
   std::vector<int64_t> spans;
   describe_padding_spans(p, spans);
   check_pages(op, p, paged.block_table, paged.k_blocks.size(0));
@@ -360,9 +362,10 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal,
                          double scale, const at::Tensor& out, double dropout_p,
                          const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
-                         bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                         bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                         int64_t diagonal_shift) {
   return forward_of("flash_forward", query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p,
-                    dropout_rng, window_left, window_right, bottom_right, softcap, alibi_slopes, {});
+                    dropout_rng, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, {});
 }
 
 // The (B, H_kv, max_blocks · block_size, D) tensor a paged cache (num_blocks, block_size, H_kv, D) stands for,
@@ -382,7 +385,7 @@ at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, co
                          const at::Tensor& block_table, const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
                          const at::Tensor& out, int64_t window_left, int64_t window_right, bool bottom_right,
-                         double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                         double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
   const char* op = "paged_forward";
   TORCH_CHECK(block_table.dim() == 2, op, ": block_table: expected a 2-D tensor (B, max_blocks), got shape ",
               block_table.sizes());
@@ -393,7 +396,7 @@ at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, co
   const at::Tensor key = logical_cache(op, "k_blocks", k_blocks, block_table);
   const at::Tensor value = logical_cache(op, "v_blocks", v_blocks, block_table);
   return forward_of(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, 0.0, std::nullopt,
-                    window_left, window_right, bottom_right, softcap, alibi_slopes,
+                    window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
                     PagedCache{k_blocks, v_blocks, block_table});
 }
 
@@ -404,11 +407,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
     const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
   const char* op = "flash_backward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
-  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes);
+  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift);
   std::vector<int64_t> spans;
   describe_padding_spans(p, spans);
   const auto dtype = query.scalar_type();

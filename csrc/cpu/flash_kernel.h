@@ -765,6 +765,8 @@ inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_hea
 inline void dropout_row_bits(const fused_attn::DropoutParams& d, int64_t batch_head, int64_t query, int64_t k0,
                              int64_t n, uint32_t* bits) {
   constexpr int kBlocks = 16;
+  query += d.query_start;  // the stream's positions (csrc/dropout.h)
+  k0 += d.key_start;
   const int64_t first_block = k0 / 4, end_block = (k0 + n + 3) / 4;
   for (int64_t block0 = first_block; block0 < end_block; block0 += kBlocks) {
     const int64_t from = std::max<int64_t>(4 * block0, k0), to = std::min<int64_t>(4 * (block0 + kBlocks), k0 + n);

@@ -41,7 +41,7 @@ struct Params {
   // The score variant (fused_attn/scores.py). Query i sees keys i + diagonal - window_left through
   // i + diagonal + window_right (-1: unbounded on that side; is_causal is window_right 0).
   int64_t window_left = -1, window_right = -1;
-  int64_t diagonal = 0;    // 0 top-left, L_k - L_q bottom-right
+  int64_t diagonal = 0;    // 0 top-left, L_k - L_q bottom-right, plus the call's diagonal_shift
   double softcap = 0.0;    // > 0: scaled scores become softcap * tanh(s / softcap)
   View alibi;              // float32 slopes (B, H_q) in s[0], s[1], data null when absent
   double scale = 1.0;

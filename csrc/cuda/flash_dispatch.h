@@ -170,6 +170,7 @@ inline AttentionParams attention_params(const at::Tensor& query, const at::Tenso
   // Causal until set_variant says more: right bound 0, left unbounded, top-left.
   p.banded = is_causal;
   p.diagonal = 0;
+  p.diagonal_shift = 0;
   p.window_left = static_cast<int>(len_q + len_k);
   p.window_right = is_causal ? 0 : static_cast<int>(len_q + len_k);
   p.softcap = 0.0f;
@@ -196,6 +197,7 @@ struct VariantArgs {
   bool bottom_right = false;
   double softcap = 0.0;
   std::optional<at::Tensor> alibi_slopes;  // float32 (B, H_q), any strides
+  int64_t diagonal_shift = 0;              // added to the alignment's diagonal
 };
 
 // The band, diagonal, softcap and ALiBi slopes of the call into the kernel parameters, on top of the
@@ -205,12 +207,17 @@ inline void set_variant(AttentionParams& p, const VariantArgs& v) {
               "must be -1 (unbounded) or >= 0, got ", v.window_left, " and ", v.window_right);
   TORCH_CHECK(std::isfinite(v.softcap) && v.softcap >= 0.0, "fused_attn cuda: softcap must be a finite "
               "number >= 0, got ", v.softcap);
-  const int64_t beyond = static_cast<int64_t>(p.len_q) + p.len_k;  // a bound no index pair reaches
-  if (v.window_left != -1) p.window_left = static_cast<int>(std::min(v.window_left, beyond));
-  if (v.window_right != -1) p.window_right = static_cast<int>(std::min<int64_t>(p.window_right, v.window_right));
+  // A bound no index pair reaches, however far the diagonal is shifted.
+  const int64_t beyond = static_cast<int64_t>(p.len_q) + p.len_k + std::abs(v.diagonal_shift);
+  TORCH_CHECK(beyond <= std::numeric_limits<int>::max() / 4, "fused_attn cuda: diagonal_shift: expected an "
+              "offset of magnitude below 2^29 - L_q - L_k, got ", v.diagonal_shift);
+  const bool causal = p.banded;  // attention_params' band: right bound 0
+  p.window_left = static_cast<int>(v.window_left == -1 ? beyond : std::min(v.window_left, beyond));
+  p.window_right = static_cast<int>(causal ? 0 : v.window_right == -1 ? beyond : std::min(v.window_right, beyond));
   p.banded = p.banded || v.window_left != -1 || v.window_right != -1;
   p.bottom_right = v.bottom_right;
-  p.diagonal = v.bottom_right ? p.len_k - p.len_q : 0;
+  p.diagonal_shift = static_cast<int>(v.diagonal_shift);
+  p.diagonal = (v.bottom_right ? p.len_k - p.len_q : 0) + p.diagonal_shift;
   p.softcap = static_cast<float>(v.softcap);
   if (v.alibi_slopes.has_value() && v.alibi_slopes->defined()) {
     const at::Tensor& slopes = *v.alibi_slopes;
@@ -224,7 +231,8 @@ inline void set_variant(AttentionParams& p, const VariantArgs& v) {
 }
 
 // The call's dropout into the kernel parameters: dropout_p in [0, 1) and, when it is above 0, the
-// call's (seed, offset) as a contiguous int64 tensor of two elements on the tensors' device, which the
+// call's (seed, offset, query_start, key_start) as a contiguous int64 tensor of four elements on the
+// tensors' device, which the
 // kernels read themselves (fused_attn/dropout.py draws it there).
 inline void set_dropout(AttentionParams& p, double dropout_p, const std::optional<at::Tensor>& dropout_rng) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fused_attn cuda: dropout_p must be in [0, 1), got ",
@@ -234,11 +242,11 @@ inline void set_dropout(AttentionParams& p, double dropout_p, const std::optiona
   p.keep_scale = 1.0f;
   if (dropout_p == 0.0) return;
   TORCH_CHECK(dropout_rng.has_value() && dropout_rng->defined(),
-              "fused_attn cuda: dropout_rng: the call's (seed, offset) is needed with dropout_p > 0");
+              "fused_attn cuda: dropout_rng: the call's (seed, offset, query_start, key_start) is needed with dropout_p > 0");
   const at::Tensor& rng = *dropout_rng;
-  TORCH_CHECK(rng.scalar_type() == at::kLong && rng.dim() == 1 && rng.size(0) == 2 && rng.stride(0) == 1,
-              "fused_attn cuda: dropout_rng must be a contiguous int64 tensor (seed, offset) of shape "
-              "(2,), got ", rng.scalar_type(), " of shape ", rng.sizes(), " and strides ", rng.strides());
+  TORCH_CHECK(rng.scalar_type() == at::kLong && rng.dim() == 1 && rng.size(0) == 4 && rng.stride(0) == 1,
+              "fused_attn cuda: dropout_rng must be a contiguous int64 tensor (seed, offset, query_start, "
+              "key_start) of shape (4,), got ", rng.scalar_type(), " of shape ", rng.sizes(), " and strides ", rng.strides());
   p.dropout_rng = rng.data_ptr<int64_t>();
   p.drop_threshold = fused_attn::dropout_threshold(dropout_p);
   p.keep_scale = static_cast<float>(1.0 / (1.0 - dropout_p));

@@ -129,12 +129,13 @@ struct AttentionParams {
   float softcap;              // > 0: scaled scores become softcap * tanh(s / softcap)
   const float* alibi;         // (B, H_q) slopes, or null: adds -slope * |i + diagonal - j|
   int64_t alibi_stride[2];
-  // Dropout: the call's (seed, offset), int64 in the tensors' memory, read by the kernels themselves
-  // (no host synchronisation, so CUDA graphs replay it); null without dropout.
+  // Dropout: the call's (seed, offset, query_start, key_start), int64 in the tensors' memory, read by
+  // the kernels themselves (no host synchronisation, so CUDA graphs replay it); null without dropout.
   const int64_t* dropout_rng;
   uint32_t drop_threshold;  // an element is dropped when its 32-bit integer is below this
   float keep_scale;         // 1 / (1 - p); 1 without dropout
-  bool bottom_right;        // diagonal = len_k - len_q (each sequence's own in a packed batch)
+  bool bottom_right;        // diagonal = len_k - len_q (each sequence's own in a packed batch) ...
+  int diagonal_shift;       // ... + this (an integer alignment, fused_attn/scores.py)
   // A packed batch (fused_attn/varlen.py), or null: batch row b is sequence b, tokens
   // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of the (B, H, total, D) views, batch stride 0, of the packed
   // (total, H, D) tensors, keys likewise; len_q and len_k are the longest sequences (the grid's), and
@@ -510,21 +511,22 @@ __device__ __forceinline__ SequenceStart enter_sequence(AttentionParams& p, int 
   const int k0 = min_int(max_int(p.cu_seqlens_k[b], 0), p.total_k);
   p.len_q = max_int(0, min_int(min_int(p.cu_seqlens_q[b + 1], p.total_q) - q0, p.len_q));
   p.len_k = max_int(0, min_int(min_int(p.cu_seqlens_k[b + 1], p.total_k) - k0, p.len_k));
-  if (p.bottom_right) p.diagonal = p.len_k - p.len_q;
+  p.diagonal = (p.bottom_right ? p.len_k - p.len_q : 0) + p.diagonal_shift;
   p.q = static_cast<const T*>(p.q) + q0 * p.q_stride[2];
   p.k = static_cast<const T*>(p.k) + k0 * p.k_stride[2];
   p.v = static_cast<const T*>(p.v) + k0 * p.v_stride[2];
   return {q0, k0};
 }
 
-// Dropout's keep/drop decisions as a thread regenerates them (csrc/dropout.h): seed and offset are
-// read once per kernel.
+// Dropout's keep/drop decisions as a thread regenerates them (csrc/dropout.h): seed, offset and
+// positions are read once per kernel.
 struct DropoutStream {
   bool enabled;
   uint32_t key0, key1, offset, threshold;
   int first_head;  // b * H_q: the counter's head index of head 0
+  int64_t query_start, key_start;  // the stream's positions of query 0 and key 0
 
-  static __device__ __forceinline__ DropoutStream none() { return {false, 0, 0, 0, 0, 0}; }
+  static __device__ __forceinline__ DropoutStream none() { return {false, 0, 0, 0, 0, 0, 0, 0}; }
 
   // The stream of batch row b. Sequence b of a packed batch drops what a one-sequence call (batch
   // row 0) with offset + b drops (fused_attn/varlen.py).
@@ -534,14 +536,25 @@ struct DropoutStream {
     const uint64_t seed = static_cast<uint64_t>(p.dropout_rng[0]);
     const uint64_t offset = static_cast<uint64_t>(p.dropout_rng[1]) + (packed ? b : 0);
     return {true, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), static_cast<uint32_t>(offset),
-            p.drop_threshold, packed ? 0 : b * p.heads_q};
+            p.drop_threshold, packed ? 0 : b * p.heads_q, p.dropout_rng[2], p.dropout_rng[3]};
   }
 
-  // Bit c is set when key j4 + c of query i in query head h is kept; j4 is a multiple of 4, so the
-  // four keys are the four outputs of one Philox block.
+  // Bit c is set when key j4 + c of query i in query head h is kept (j4 a multiple of 4). The four keys
+  // are the four outputs of one Philox block when key_start is a multiple of 4 too, else they straddle
+  // two blocks.
   __device__ __forceinline__ unsigned kept4(int h, int i, int j4) const {
     if (!enabled) return 0xFu;
-    uint32_t c0[1] = {static_cast<uint32_t>(j4 / 4)}, c1[1] = {static_cast<uint32_t>(i)};
+    const int64_t first = key_start + j4;
+    const uint32_t row = static_cast<uint32_t>(query_start + i);
+    const unsigned low = kept_block(h, row, first / 4);
+    const int lane = static_cast<int>(first % 4);
+    if (lane == 0) return low;
+    return ((low >> lane) | (kept_block(h, row, first / 4 + 1) << (4 - lane))) & 0xFu;
+  }
+
+  // Bit c is set when key 4 * block + c of the stream's row `row` is kept.
+  __device__ __forceinline__ unsigned kept_block(int h, uint32_t row, int64_t block) const {
+    uint32_t c0[1] = {static_cast<uint32_t>(block)}, c1[1] = {row};
     uint32_t c2[1] = {static_cast<uint32_t>(first_head + h)}, c3[1] = {offset};
     fused_attn::philox4x32_10_blocks<1>(c0, c1, c2, c3, key0, key1);
     return static_cast<unsigned>(c0[0] >= threshold) | static_cast<unsigned>(c1[0] >= threshold) << 1 |

@@ -9,10 +9,12 @@ Sequence b's dropout is a one-sequence call's with the call's (seed, offset + b)
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..dropout import Dropout
-from ..scores import ScoreVariant, from_op_args
+from ..dropout import Dropout, shifted_rng
+from ..scores import ScoreVariant
 
 
 def sequence_view(packed: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -29,14 +31,14 @@ def sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
 def sequence_dropout(dropout: Dropout | None, b: int) -> Dropout | None:
     if dropout is None:
         return None
-    return Dropout(dropout.p, dropout.rng + torch.tensor([0, b], device=dropout.rng.device))
+    return Dropout(dropout.p, shifted_rng(dropout.rng, offset=b))
 
 
 def sequence_variant(variant: ScoreVariant, b: int) -> ScoreVariant:
     """The variant of sequence b: its row of the (B, H_q) ALiBi slopes."""
     if variant.alibi_slopes is None:
         return variant
-    return from_op_args(*variant.op_args()[:4], variant.alibi_slopes[b:b + 1])
+    return dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes[b:b + 1])
 
 
 def forward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse, dropout, variant):

@@ -70,22 +70,8 @@ LOG2E = math.log2(math.e)
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dropout_bits(RNG, batch_head, sequence, offs_m, start_n, BLOCK_N: tl.constexpr):
-    """The 32-bit random integers of a (query rows `offs_m`, keys start_n .. start_n + BLOCK_N) tile,
-    uint32 [len(offs_m), BLOCK_N]: the formula of fused_attn.dropout (Philox4x32-10 on counter
-    (j // 4, i, batch_head, offset + sequence), key = seed, output j % 4; see `_dropout_stream`). One
-    Philox block serves four keys, so the rounds run on a quarter of the tile; `start_n` is a
-    multiple of 4."""
-    seed = tl.load(RNG)
-    offset = tl.load(RNG + 1) + sequence
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    quads = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    zero = (offs_m[:, None] * 0 + quads[None, :] * 0).to(tl.uint32)
-    c0 = zero + quads[None, :].to(tl.uint32)
-    c1 = zero + offs_m[:, None].to(tl.uint32)
-    c2 = zero + batch_head.to(tl.uint32)
-    c3 = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
+def _philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint32 counters (c0, c1, c2, c3) of any shape, key (k0, k1)."""
     for _ in tl.static_range(10):
         high_0 = tl.umulhi(c0, 0xD2511F53)
         high_1 = tl.umulhi(c2, 0xCD9E8D57)
@@ -97,10 +83,44 @@ def _dropout_bits(RNG, batch_head, sequence, offs_m, start_n, BLOCK_N: tl.conste
         c3 = low_0
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _dropout_bits(RNG, batch_head, sequence, offs_m, start_n, BLOCK_N: tl.constexpr):
+    """The 32-bit random integers of a (query rows `offs_m`, keys start_n .. start_n + BLOCK_N) tile,
+    uint32 [len(offs_m), BLOCK_N]: the formula of fused_attn.dropout (Philox4x32-10 on counter
+    (J // 4, I, batch_head, offset + sequence), key = seed, output J % 4, with I and J the stream's
+    positions, query_start + i and key_start + j; see `_dropout_stream`). `start_n` is a multiple of 4.
+    One Philox block serves four keys, so the rounds run on a quarter of the tile; when key_start is not
+    a multiple of 4 (a block of a longer sequence, as ring attention's), on two quarters, each quad of
+    keys taking lanes of two neighbouring blocks."""
+    seed = tl.load(RNG)
+    offset = (tl.load(RNG + 1) + sequence) & 0xFFFFFFFF
+    rows = offs_m + tl.load(RNG + 2)
+    first = start_n + tl.load(RNG + 3)  # the stream's position of key start_n
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    # Quad q of the tile holds keys 4q .. 4q + 3 of it, which are lanes shift .. 3 of the stream's quad
+    # `base + q` and lanes 0 .. shift - 1 of the next one (shift 0 when key_start is a multiple of 4).
+    shift = first % 4
+    base = first // 4 + tl.arange(0, BLOCK_N // 4)
+    zero = (rows[:, None] * 0 + base[None, :] * 0).to(tl.uint32)
+    counters = (zero + rows[:, None].to(tl.uint32), zero + batch_head.to(tl.uint32), zero + offset.to(tl.uint32))
+    c0, c1, c2, c3 = _philox4x32_10(zero + base[None, :].to(tl.uint32), *counters, k0, k1)
+    if shift != 0:
+        # What this quad's block gives first, so that only three of its lanes stay live while the next
+        # block's rounds run (register pressure).
+        c0 = tl.where(shift == 1, c1, tl.where(shift == 2, c2, c3))
+        c1 = tl.where(shift == 1, c2, c3)
+        d0, d1, d2, _ = _philox4x32_10(zero + (base + 1)[None, :].to(tl.uint32), *counters, k0, k1)
+        c1 = tl.where(shift == 3, d0, c1)
+        c2 = tl.where(shift == 1, c3, tl.where(shift == 2, d0, d1))
+        c3 = tl.where(shift == 1, d0, tl.where(shift == 2, d1, d2))
     # join appends a last axis: [rows, quads, a, b] holds output a + 2b of this nesting, so output
     # 2a + b of the quad is at row-major position 4 * quad + 2a + b, the key it belongs to.
     lanes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    return tl.reshape(lanes, [offs_m.shape[0], BLOCK_N])
+    return tl.reshape(lanes, [rows.shape[0], BLOCK_N])
 
 
 @triton.jit
@@ -669,6 +689,7 @@ _DROPOUT_DEFAULTS = {
     ("bwd_dkdv", "sm_80", 64, False): _K(16, 128, 8, 2),
     ("bwd_dkdv", "sm_80", 64, True): _K(16, 64, 8, 2),
     ("bwd_dkdv", "sm_80", 128, True): _K(32, 32, 8, 2),
+    ("bwd_dkdv", "sm_90", 64, False): _K(32, 64, 4, 2),  # the table's (64, 64, 4, 2) spills with key_start % 4
     ("bwd_dkdv", "sm_90", 64, True): _K(16, 64, 4, 2),
     ("bwd_dkdv", "sm_90", 128, False): _K(16, 64, 8, 2),
     ("bwd_dkdv", "sm_90", 128, True): _K(16, 64, 8, 2),
@@ -851,10 +872,12 @@ def _lengths(query, key, sequences: Sequences | None, pages: Pages | None = None
 def _variant_args(variant, is_causal, len_q, len_k, dummy, packed=False):
     """A call's score variant (fused_attn.scores) as kernel arguments: (ALIBI pointer, its (B, H_q)
     strides, (DIAG, LEFT, RIGHT, softcap2)) and its constexprs. An unbounded side of the band gets
-    L_Q + L_K, which no index pair reaches. A `packed` batch gets DIAG 1 for bottom-right alignment
+    L_Q + L_K (+ the diagonal's shift), which no index pair reaches. A `packed` batch gets DIAG 1 for bottom-right alignment
     (each program computes its sequence's own diagonal)."""
     left, right = variant.bounds(is_causal)
-    beyond = len_q + len_k
+    if packed and variant.diagonal_shift:  # refused by fused_attn.varlen before it gets here
+        raise ValueError("diagonal_shift: a packed batch takes each sequence's own diagonal, not an offset")
+    beyond = len_q + len_k + abs(variant.diagonal_shift)
     slopes = variant.alibi_slopes
     pointer, strides = (dummy, (0, 0)) if slopes is None else (slopes, tuple(slopes.stride()))
     diagonal = int(variant.bottom_right) if packed else variant.offset(len_q, len_k)

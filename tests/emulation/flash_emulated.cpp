@@ -20,7 +20,7 @@ at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
                    const at::Tensor& out, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
                    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-                   const std::optional<at::Tensor>& alibi_slopes) {
+                   const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
   for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"},
                                 {key, "key"}, {value, "value"}, {attn_mask, "attn_mask"},
                                 {key_padding_mask, "key_padding_mask"}, {out, "out"},
@@ -30,7 +30,7 @@ at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
   pybind11::gil_scoped_release release;
   return fused_attn_cuda::flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal,
                                         scale, out, dropout_p, dropout_rng,
-                                        {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                        {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
                                         EmulatedLaunch{});
 }
 
@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
     const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
   for (const auto& [t, name] :
        {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
         {attn_mask, "attn_mask"}, {key_padding_mask, "key_padding_mask"}, {out, "out"},
@@ -51,7 +51,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   pybind11::gil_scoped_release release;
   return fused_attn_cuda::flash_backward(query, key, value, attn_mask, key_padding_mask, is_causal,
                                          scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng,
-                                         grad_mask, {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                         grad_mask, {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
                                          EmulatedLaunch{});
 }
 
@@ -60,7 +60,7 @@ void forward_varlen(const at::Tensor& query, const at::Tensor& key, const at::Te
                     int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
                     double dropout_p, const std::optional<at::Tensor>& dropout_rng, int64_t window_left,
                     int64_t window_right, bool bottom_right, double softcap,
-                    const std::optional<at::Tensor>& alibi_slopes) {
+                    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
   for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
                                 {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}, {out, "out"},
                                 {lse, "lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}})
@@ -68,7 +68,7 @@ void forward_varlen(const at::Tensor& query, const at::Tensor& key, const at::Te
   pybind11::gil_scoped_release release;
   fused_attn_cuda::flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         is_causal, scale, out, lse, dropout_p, dropout_rng,
-                                        {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                        {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
                                         EmulatedLaunch{});
 }
 
@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out,
     const std::optional<at::Tensor>& grad_lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
   for (const auto& [t, name] :
        {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
         {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}, {out, "out"}, {lse, "lse"},
@@ -88,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen(
   return fused_attn_cuda::flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                 max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse,
                                                 dropout_p, dropout_rng,
-                                                {window_left, window_right, bottom_right, softcap, alibi_slopes},
+                                                {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
                                                 EmulatedLaunch{});
 }
 
@@ -215,7 +215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("key_padding_mask"), pybind11::arg("is_causal"), pybind11::arg("scale"),
         pybind11::arg("out"), pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none(),
         pybind11::arg("window_left") = -1, pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false,
-        pybind11::arg("softcap") = 0.0, pybind11::arg("alibi_slopes") = pybind11::none());
+        pybind11::arg("softcap") = 0.0, pybind11::arg("alibi_slopes") = pybind11::none(),
+        pybind11::arg("diagonal_shift") = 0);
   m.def("backward", &backward, "flash_backward(query, key, value, attn_mask, key_padding_mask, "
         "is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, grad_mask) -> (dq, dk, dv)",
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("attn_mask"),
@@ -224,13 +225,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none(),
         pybind11::arg("grad_mask") = pybind11::none(), pybind11::arg("window_left") = -1,
         pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false, pybind11::arg("softcap") = 0.0,
-        pybind11::arg("alibi_slopes") = pybind11::none());
+        pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("diagonal_shift") = 0);
   m.def("forward_varlen", &forward_varlen, "flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
         "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng, window_left, window_right, "
-        "bottom_right, softcap, alibi_slopes): writes out and lse");
+        "bottom_right, softcap, alibi_slopes, diagonal_shift): writes out and lse");
   m.def("backward_varlen", &backward_varlen, "flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
         "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, "
-        "window_left, window_right, bottom_right, softcap, alibi_slopes) -> (dq, dk, dv)");
+        "window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift) -> (dq, dk, dv)");
   m.def("decode_splits", &decode_splits, "decode_splits(query, key, value, dropout_p, dropout_rng) -> the "
         "split count of the decode kernels, 0 if the forward runs the long-query kernel", pybind11::arg("query"),
         pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("dropout_p") = 0.0,
