@@ -51,11 +51,12 @@ class RingCase:
     dtype: torch.dtype
     layout: str
     rotation: int = 0  # which of testing.LAYOUTS each full tensor is laid out in
+    backend: str | None = None
 
 
-def _case(length, layout, dtype, rotation=0, **features):
+def _case(length, layout, dtype, rotation=0, backend=None, **features):
     features.setdefault("len_k", length)
-    return RingCase(Case(batch=2, len_q=length, dim_qk=16, **features), dtype, layout, rotation)
+    return RingCase(Case(batch=2, len_q=length, dim_qk=16, **features), dtype, layout, rotation, backend)
 
 
 # Lengths are chosen so that shards (and zigzag's chunks) have odd lengths.
@@ -86,6 +87,11 @@ CASES = {
                                                                      window=(6, 0), alibi="batch", softcap=2.0),
         "contiguous_fp32_window_both_sides_alibi_dropout": _case(18, "contiguous", torch.float32, 4, window=(3, 4),
                                                                  alibi="heads", dropout_p=0.25),
+        # Each step's backward takes its share of the whole row's softmax on every backend.
+        "zigzag_fp64_reference_causal_dropout_alibi": _case(12, "zigzag", torch.float64, 0, "reference",
+                                                            is_causal=True, dropout_p=0.2, alibi="heads"),
+        "contiguous_fp32_triton_causal_dropout_alibi": _case(10, "contiguous", torch.float32, 1, "triton",
+                                                             is_causal=True, dropout_p=0.2, alibi="heads"),
     },
     4: {
         "zigzag_fp32_causal_gqa_padding_lse_grad": _case(24, "zigzag", torch.float32, 0, is_causal=True,
@@ -118,7 +124,7 @@ def _run_case(name: str, ring_case: RingCase, rank: int, out_dir: str) -> None:
         q, k, v, is_causal=case.is_causal, layout=layout, scale=case.scale,
         enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=local(inputs.key_padding_mask, dim=1),
         dropout_p=case.dropout_p, generator=inputs.dropout_generator(), return_lse=True,
-        **inputs.variant_keywords())
+        backend=ring_case.backend, **inputs.variant_keywords())
     outputs, grads_in = [out], [local(inputs.grad_out)]
     if inputs.grad_lse is not None:
         outputs.append(lse)

@@ -134,8 +134,12 @@ class ReferenceBackend(Backend):
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                  grad_out, grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
         heads_kv = key.shape[1]
-        probs = probabilities(masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale,
-                                            variant))
+        scores = masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale, variant)
+        # The weights of the given log-sum-exp, as the kernels take them: a call on part of a row's keys
+        # (a ring attention step) gets its share of the whole row's softmax.
+        seen = torch.isfinite(lse).unsqueeze(-1)
+        shift = torch.where(seen, lse.unsqueeze(-1), 0.0)
+        probs = torch.where(seen, torch.exp(scores.to(lse.dtype) - shift), 0.0).to(scores.dtype)
         grad_value = _sum_over_groups(torch.einsum("bhqk,bhqd->bhkd", dropped(probs, dropout), grad_out),
                                       heads_kv)
         grad_probs = torch.einsum("bhgqd,bhkd->bhgqk", _grouped(grad_out, heads_kv), value)
