@@ -111,7 +111,8 @@ def _ring_worker(rank, world, configs, device_type, rounds, result_path):
         q, k, v, grad_out = (distributed.shard(t, config["layout"]) for t in _inputs(config, device))
 
         def attend(q, k, v):
-            return distributed.ring_attention(q, k, v, is_causal=config["causal"], layout=config["layout"])
+            return distributed.ring_attention(q, k, v, is_causal=config["causal"], layout=config["layout"],
+                                              **_scores_keywords(config, device))
 
         distributed.traffic.reset()
         with torch.no_grad():
@@ -138,7 +139,7 @@ def _single_process(config: dict, device: torch.device, rounds: int) -> dict:
     q, k, v, grad_out = _inputs(config, device)
 
     def attend(q, k, v):
-        return fused_attn.attention(q, k, v, is_causal=config["causal"])
+        return fused_attn.attention(q, k, v, is_causal=config["causal"], **_scores_keywords(config, device))
 
     with torch.no_grad():
         forward = _timed(lambda: attend(q, k, v), device, rounds)
@@ -147,13 +148,24 @@ def _single_process(config: dict, device: torch.device, rounds: int) -> dict:
                 fwd_sent_bytes=0, bwd_sent_bytes=0)
 
 
+def _scores_keywords(config: dict, device: torch.device) -> dict:
+    """Dropout and ALiBi (BLOOM's slopes, 2^(-8 h / H)), with which the ring runs a call per chunk pair."""
+    keywords = dict(dropout_p=config["dropout_p"])
+    if config["alibi"]:
+        heads = config["heads"]
+        keywords["alibi_slopes"] = 2.0 ** (-8.0 * torch.arange(1, heads + 1, device=device) / heads)
+    return keywords
+
+
 def run(worlds=(2, 4), batch=1, heads=8, length=2048, head_dim=64, dtypes=("fp32",), causal=(True, False),
-        layouts=("zigzag", "contiguous"), rounds=5, device="cpu", deadline_s=1800.0) -> list[dict]:
+        layouts=("zigzag", "contiguous"), rounds=5, device="cpu", deadline_s=1800.0, dropout_p=0.0,
+        alibi=False) -> list[dict]:
     """Rows of measurements: the single process (processes=1) and each ring, for every configuration."""
     device = torch.device(device)
     cores = os.cpu_count() or 1
     configs = [dict(batch=batch, heads=heads, length=length, head_dim=head_dim, dtype=dtype, causal=is_causal,
-                    layout=layout) for dtype in dtypes for is_causal in causal for layout in layouts]
+                    layout=layout, dropout_p=dropout_p, alibi=alibi)
+               for dtype in dtypes for is_causal in causal for layout in layouts]
     rows = []
     for config in configs:
         if device.type == "cpu":
@@ -180,7 +192,8 @@ def run(worlds=(2, 4), batch=1, heads=8, length=2048, head_dim=64, dtypes=("fp32
 
 
 def _key(row: dict) -> tuple:
-    return tuple(row[name] for name in ("batch", "heads", "length", "head_dim", "dtype", "causal", "layout"))
+    return tuple(row[name] for name in ("batch", "heads", "length", "head_dim", "dtype", "causal", "layout",
+                                        "dropout_p", "alibi"))
 
 
 COLUMNS = (("processes", "ranks"), ("threads", "thr/rank"), ("layout", "layout"), ("dtype", "dtype"),
@@ -217,6 +230,8 @@ def main(argv=None) -> None:
     parser.add_argument("--causal", type=int, nargs="+", choices=[0, 1], default=[1, 0])
     parser.add_argument("--layouts", nargs="+", choices=distributed.LAYOUTS, default=["zigzag", "contiguous"])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout_p of every call")
+    parser.add_argument("--alibi", action="store_true", help="ALiBi slopes on every call")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: NCCL, one GPU per rank (needs as many GPUs as the largest world)")
     args = parser.parse_args(argv)
@@ -226,8 +241,10 @@ def main(argv=None) -> None:
 
     print(report.machine_description(torch.device(args.device)))
     rows = run(args.worlds, args.batch, args.heads, args.length, args.head_dim, args.dtypes,
-               [bool(c) for c in args.causal], args.layouts, args.rounds, args.device)
-    print(f"B={args.batch} H={args.heads} L={args.length} D={args.head_dim}")
+               [bool(c) for c in args.causal], args.layouts, args.rounds, args.device, dropout_p=args.dropout,
+               alibi=args.alibi)
+    print(f"B={args.batch} H={args.heads} L={args.length} D={args.head_dim} dropout_p={args.dropout} "
+          f"alibi={args.alibi}")
     print(format_rows(rows))
 
 

@@ -343,3 +343,9 @@ def test_ring_bench_measures_time_and_traffic():
     assert ring_row["fwd_sent_bytes"] == 2 * 2 * 16 * 8 * 4
     assert ring_row["fwd_ms"] > 0 and ring_row["fwd_bwd_ms"] > 0 and ring_row["bwd_sent_bytes"] > 0
     assert "ring" in ring_bench.format_rows(rows)
+
+
+def test_ring_bench_takes_dropout_and_alibi():
+    rows = ring_bench.run(worlds=[2], batch=1, heads=2, length=16, head_dim=8, dtypes=["fp32"], causal=[True],
+                          layouts=["zigzag"], rounds=1, deadline_s=PARENT_DEADLINE_S, dropout_p=0.1, alibi=True)
+    assert {(row["processes"], row["dropout_p"], row["alibi"]) for row in rows} == {(1, 0.1, True), (2, 0.1, True)}
