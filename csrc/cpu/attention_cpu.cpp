@@ -141,7 +141,8 @@ fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
   fused_attn::DropoutParams d;
   if (dropout_p == 0.0) return d;
   TORCH_CHECK(dropout_rng.has_value() && dropout_rng->defined(), op,
-              ": dropout_rng: expected the call's (seed, offset) with dropout_p > 0, got none");
+              ": dropout_rng: expected the call's (seed, offset, query_start, key_start) with dropout_p > 0, "
+              "got none");
   check_tensor(op, "dropout_rng", *dropout_rng, 1, {4}, at::kLong);
   const at::Tensor rng = dropout_rng->contiguous();
   const int64_t* values = rng.data_ptr<int64_t>();
