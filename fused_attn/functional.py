@@ -7,7 +7,7 @@ import numbers
 import torch
 from torch.autograd import forward_ad
 
-from . import ops
+from . import ops, plans
 from .backends import reference, registry
 from .dropout import Dropout, next_rng
 from .problem import Problem
@@ -135,8 +135,11 @@ def _check_generator(generator, query) -> None:
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, key_padding_mask,
             backend, seq_first, generator=None, causal_alignment="top_left", window_size=None, softcap=None,
-            alibi_slopes=None):
-    """Checks everything, then runs the chosen backend. Returns (out (B, H_q, L_q, D_v), lse)."""
+            alibi_slopes=None, plan_key=None):
+    """Checks everything, then runs the chosen backend. Returns (out (B, H_q, L_q, D_v), lse).
+
+    With `plan_key` (fused_attn.plans.key_of of this call), what was concluded is remembered for the
+    next call of that key if the call ran a kernel without the op."""
     _check_inputs(query, key, value, enable_gqa)
     _check_options(dropout_p, scale, is_causal)
     _check_generator(generator, query)
@@ -151,7 +154,8 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     mask = _mask_view(attn_mask, query, key)
     _check_key_padding_mask(key_padding_mask, query, key)
     mask, key_padding_mask = _padding_of(mask, key_padding_mask)
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    default_scale = query.shape[-1] ** -0.5
+    scale = default_scale if scale is None else float(scale)
     problem = Problem.of(query, key, value, mask, key_padding_mask, is_causal, float(dropout_p), variant)
     chosen = registry.choose(problem, backend)
     # Drawn whichever backend runs, so that a generator state gives the same dropped elements on all.
@@ -163,8 +167,11 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
         return reference.attention(query, key, value, mask, key_padding_mask, is_causal, scale, dropout,
                                    variant=variant)
     _refuse_forward_mode_ad(query=query, key=key, value=value, attn_mask=mask)
-    return ops.attention(query, key, value, mask, key_padding_mask, is_causal, scale, float(dropout_p),
-                         None if dropout is None else dropout.rng, seq_first, chosen.name, variant)
+    result = ops.attention(query, key, value, mask, key_padding_mask, is_causal, scale, float(dropout_p),
+                           None if dropout is None else dropout.rng, seq_first, chosen.name, variant)
+    if plan_key is not None:
+        plans.remember(plan_key, chosen, variant, default_scale, query, value)
+    return result
 
 
 def _refuse_forward_mode_ad(**tensors) -> None:
@@ -228,10 +235,20 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                 key_padding_mask=key_padding_mask, return_lse=return_lse, backend=backend,
                                 generator=generator, causal_alignment=causal_alignment, window_size=window_size,
                                 softcap=softcap, alibi_slopes=alibi_slopes)
+    plan_key = None
+    # A plain call without autograd or tracing to record runs its plan if it has one (fused_attn.plans).
+    if forward_ad._current_level < 0 and not ops.needs_op(query, key, value):
+        plan_key = plans.key_of(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                key_padding_mask, backend, generator, causal_alignment, window_size, softcap,
+                                alibi_slopes)
+        plan = None if plan_key is None else plans.find(plan_key)
+        if plan is not None:
+            out, lse = plans.run(plan, query, key, value, is_causal, scale)
+            return (out, lse) if return_lse else out
     out, lse = _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        key_padding_mask, backend, seq_first=False, generator=generator,
                        causal_alignment=causal_alignment, window_size=window_size, softcap=softcap,
-                       alibi_slopes=alibi_slopes)
+                       alibi_slopes=alibi_slopes, plan_key=plan_key)
     return (out, lse) if return_lse else out
 
 

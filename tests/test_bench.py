@@ -266,6 +266,20 @@ def test_decode_bench_rows_on_a_small_shape():
     assert row["rounds"] == 3 and row["vs_sdpa"] > 0 and row["paged_vs_dense"] > 0 and row["gathered_vs_paged"] > 0
 
 
+def test_call_cost_rows_on_a_small_shape(capsys):
+    from bench import call_cost
+
+    threads = torch.get_num_threads()
+    row = call_cost.time_row(torch.float32, (1, 2, 4, 8, 8), "cpu 1t", rounds=3, inner=2, budget_s=1.0)
+    assert row["rounds"] == 3 and row["fused_us"] > 0 and row["sdpa_us"] > 0 and row["vs_sdpa"] > 0
+    assert torch.get_num_threads() == threads  # restored after the one-thread measure
+    assert call_cost.main(["--dtypes", "bf16", "--shapes", "tiny", "--rounds", "2", "--inner", "1"]) == 0
+    table = capsys.readouterr().out
+    assert report.device_model(torch.device("cpu")) in table.splitlines()[0]
+    rows = [line for line in table.splitlines() if line.startswith("| bf16")]
+    assert [row.split("|")[4].strip() for row in rows] == list(call_cost.MEASURES)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_bench_compares_the_same_attention(causal):
     from bench import varlen_bench
