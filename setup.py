@@ -57,7 +57,7 @@ def extensions():
     # Files compiled for the baseline instruction set come first (kernel_isa_* sort last): where an
     # instruction-set copy instantiates the same inline function, the linker keeps the first
     # definition, which must run on every CPU. torch's build adds its own -std (C++20).
-    sources = ["csrc/ops.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    sources = ["csrc/ops.cpp", "csrc/plain_call.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     cxx_flags = ["-O3", "-fopenmp"]
     if not build_cuda():
         return [CppExtension("fused_attn._C", sources, extra_compile_args={"cxx": cxx_flags},

@@ -16,10 +16,12 @@
 #include <Python.h>
 #include <torch/library.h>
 
+extern PyMethodDef fused_attn_module_methods[];  // csrc/plain_call.cpp
+
 extern "C" {
 // `import fused_attn._C` loads this library, which registers the ops below as a side effect.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, fused_attn_module_methods};
   return PyModule_Create(&module_def);
 }
 }

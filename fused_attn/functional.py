@@ -204,9 +204,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
             (`fused_attn.dropout`; `fused_attn.testing.dropout_mask` gives the mask of a call).
         generator: the torch.Generator dropout draws from (default: that of the tensors' device).
         is_causal: query i sees keys j <= i + offset; may be combined with masks and a window.
-        causal_alignment: "top_left" (offset 0, SDPA's meaning) or "bottom_right" (offset
-            L_k - L_q, flash-attn's: the last query sits on the last key). It also places the
-            window and ALiBi's distances.
+        causal_alignment: "top_left" (offset 0, SDPA's meaning), "bottom_right" (offset
+            L_k - L_q, flash-attn's: the last query sits on the last key), or an int, the offset
+            itself (a block of a longer sequence). It also places the window and ALiBi's distances.
         window_size: (left, right), as flash-attn: query i sees key j iff
             -left <= j - (i + offset) <= right; -1 or None leaves a side unbounded. Key blocks
             outside the window are never visited.

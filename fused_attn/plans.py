@@ -23,8 +23,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import _extension
 from .backends import registry
 from .backends.base import Backend
+from .backends.extension import ExtensionBackend
 from .problem import output_like
 from .scores import ScoreVariant
 
@@ -36,6 +38,9 @@ class Plan(NamedTuple):
     # The output as `output_like` lays it out (query's dtype and device, both in the key).
     out_size: torch.Size
     out_stride: tuple[int, ...]
+    # The variant's arguments of `fused_attn._C.plain_forward` (csrc/plain_call.cpp), for backends that
+    # call the extension's forward as it is; None for the others.
+    direct_args: tuple | None
 
 
 _plans: dict[tuple, Plan] = {}
@@ -102,14 +107,26 @@ def remember(call_key: tuple, backend: Backend, variant: ScoreVariant, default_s
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     layout = output_like(query, value.shape[-1], seq_first=False)
-    _plans[call_key] = Plan(backend, variant, default_scale, layout.shape, layout.stride())
+    _plans[call_key] = Plan(backend, variant, default_scale, layout.shape, layout.stride(), _direct_args(backend, variant))
+
+
+def _direct_args(backend: Backend, variant: ScoreVariant) -> tuple | None:
+    """(window_left, window_right, bottom_right, softcap, diagonal_shift) when the backend's forward is the
+    extension's own (the plain call then goes to `_C.plain_forward`, which allocates the output itself)."""
+    if _extension._C is None or type(backend).forward is not ExtensionBackend.forward:
+        return None
+    window_left, window_right, bottom_right, softcap, _, diagonal_shift = variant.op_args()  # no ALiBi here
+    return window_left, window_right, bottom_right, softcap, diagonal_shift
 
 
 def run(plan: Plan, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None):
     """The no-op path of `ops.attention` with the plan's answers: (out, lse)."""
+    scale = plan.default_scale if scale is None else scale
+    # Direct unless the backend's forward has been replaced on the instance since (a wrapper, a spy).
+    if plan.direct_args is not None and "forward" not in plan.backend.__dict__:
+        return _extension._C.plain_forward(query, key, value, is_causal, scale, *plan.direct_args)
     out = query.new_empty_strided(plan.out_size, plan.out_stride)  # without dtype and device to parse: faster
-    lse = plan.backend.forward(query, key, value, None, None, is_causal,
-                               plan.default_scale if scale is None else scale, out, None, plan.variant)
+    lse = plan.backend.forward(query, key, value, None, None, is_causal, scale, out, None, plan.variant)
     return out, lse
 
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad
 
 import fused_attn
-from fused_attn import functional, ops, plans
+from fused_attn import _extension, functional, ops, plans
 from fused_attn.backends import registry
 from fused_attn.backends.cpu import CpuBackend
 from fused_attn.scores import PLAIN
@@ -277,3 +277,28 @@ def test_compiled_functions_still_trace_the_call(generator, choices):
     torch.testing.assert_close(compiled(q, k, v), eager * 2, rtol=0, atol=0)
     torch._dynamo.reset()
     assert len(choices) >= 2  # the trace took the full path
+
+
+def test_planned_calls_of_the_cpu_backend_enter_the_extension_directly(generator, monkeypatch):
+    """`_C.plain_forward` allocates the output and runs the cpu kernel: the same result as the full path,
+    in the output layout of `output_like`."""
+    if _extension._C is None or fused_attn.available_backends()["cpu"] is not None:
+        pytest.skip("the cpu backend is not built")
+    entered = []
+
+    def plain_forward(*args, _original=_extension._C.plain_forward):
+        entered.append(args[3:])
+        return _original(*args)
+
+    monkeypatch.setattr(_extension._C, "plain_forward", plain_forward)
+    q, k, v = layouts(generator, torch.float32, permuted=True)
+    keywords = dict(is_causal=True, causal_alignment="bottom_right", window_size=(3, None), softcap=5.0,
+                    return_lse=True)
+    plans.clear()
+    expected = fused_attn.attention(q, k, v, **keywords)
+    got = fused_attn.attention(q, k, v, **keywords)
+    assert entered == [(True, 8 ** -0.5, 3, -1, True, 5.0, 0)]
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert got[0].stride() == expected[0].stride()
+    with pytest.raises(TypeError, match="plain_forward: query: expected a torch.Tensor"):
+        _extension._C.plain_forward(None, k, v, True, 1.0, -1, -1, False, 0.0, 0)

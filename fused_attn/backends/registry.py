@@ -83,13 +83,26 @@ def use_backend(name: str | None):
         _requested.stack.pop()
 
 
+# os.environ's own store, read directly: `os.environ.get` of an unset variable raises and catches a
+# KeyError, a microsecond on every call (bench/NOTES.md, section 27).
+_ENVIRON_STORE = getattr(os.environ, "_data", None)
+_ENVIRON_KEY = os.environ.encodekey(ENV_VARIABLE) if _ENVIRON_STORE is not None else None
+
+
+def _environment_request() -> str | None:
+    if _ENVIRON_STORE is None:
+        return os.environ.get(ENV_VARIABLE) or None
+    raw = _ENVIRON_STORE.get(_ENVIRON_KEY)
+    return None if raw is None else os.environ.decodevalue(raw) or None
+
+
 def requested_backend(explicit: str | None) -> str | None:
     """The request in force: the argument, else the innermost context manager, else the environment."""
     if explicit is not None:
         return explicit
     if _requested.stack[-1] is not None:
         return _requested.stack[-1]
-    return os.environ.get(ENV_VARIABLE) or None
+    return _environment_request()
 
 
 def reasons(backend: Backend, problem: Problem) -> list[str]:
