@@ -11,6 +11,9 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# The cpu kernels fill their scratch with NaN before use, so that a value read before it was written
+# reaches the output, which the tests check for NaN.
+os.environ.setdefault("FUSED_ATTN_CPU_POISON_SCRATCH", "1")
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

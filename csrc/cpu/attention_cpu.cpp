@@ -228,6 +228,7 @@ void choose_tiling(Params& p, bool backward) {
   p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();
   p.bf16_brgemm = p.use_brgemm && p.dtype == Dtype::BFloat16 && brgemm_usable<c10::BFloat16>();
   p.use_decode = env_flag("FUSED_ATTN_CPU_DECODE", true);
+  p.poison_scratch = env_flag("FUSED_ATTN_CPU_POISON_SCRATCH", false);
 }
 
 // The kernels for the best instruction set of this CPU, as ATen judges it (at::get_cpu_capability()

@@ -66,10 +66,13 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 template <typename T>
 constexpr T neg_inf() { return -std::numeric_limits<T>::infinity(); }
 
-// Per-thread scratch, carved into 64-byte aligned pieces; freed even when a check throws.
+// Per-thread scratch, carved into 64-byte aligned pieces; freed even when a check throws. Poisoned,
+// every byte is 0xFF: NaN as float, double, bf16 and fp16.
 class Scratch {
  public:
-  explicit Scratch(size_t bytes) : base_(static_cast<char*>(c10::alloc_cpu(bytes + 64))) {}
+  Scratch(size_t bytes, bool poison) : base_(static_cast<char*>(c10::alloc_cpu(bytes + 64))) {
+    if (poison) std::memset(base_, 0xFF, bytes + 64);
+  }
   ~Scratch() { c10::free_cpu(base_); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -559,16 +562,23 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   constexpr int64_t W = V::size();
   constexpr acc_t log2e = acc_t(1.4426950408889634);
   const V vscale(kFoldLog2e ? scale * log2e : scale), vshift(kFoldLog2e ? -shift * log2e : -shift);
-  // Float weights under 2^-64 of the row's largest (the shift) become 0: next to the largest they
-  // change no sum, and their products with V would be denormal numbers, each costing the FMA units a
-  // microcode assist (ALiBi's distant keys made a fifth of the call's time of them).
+  // Float and fp16 weights under 2^-64 of the row's largest (the shift) become 0: next to the largest
+  // they change no sum, and their products with V would be denormal numbers, each costing the FMA
+  // units a microcode assist (ALiBi's distant keys made a fifth of the call's time of them). bf16
+  // weights skip it: AMX's and AVX512-BF16's products take denormal inputs as zero anyway, and the
+  // compare and masked move cost the 16-bit forward a tenth of its time (bench/NOTES.md, section 28).
+  constexpr bool kFlush = std::is_same_v<acc_t, float> && !std::is_same_v<ct, c10::BFloat16>;
   const V flush_below(kFoldLog2e ? acc_t(-64) : acc_t(-44.361419555836500));
+  const auto flushed = [&](const V& e, const V& arg) {
+    if constexpr (kFlush) return zero_below(e, arg, flush_below);
+    return e;
+  };
   auto exp_of = [&](const V& x) {
     const V arg = at::vec::fmadd(x, vscale, vshift);
     if constexpr (kFoldLog2e) {
-      return zero_below(exp2_nonpositive(arg), arg, flush_below);
+      return flushed(exp2_nonpositive(arg), arg);
     } else if constexpr (kVnni<ct>) {
-      return zero_below(exp2_nonpositive(arg * V(log2e)), arg, flush_below);
+      return flushed(exp2_nonpositive(arg * V(log2e)), arg);
     } else if constexpr (std::is_same_v<acc_t, float>) {
       return zero_below(vexp(arg), arg, flush_below);
     } else {
@@ -825,18 +835,19 @@ struct SoftmaxBuffers {
         row_sum(scratch.take<acc_t>(rows)),
         bits(p.dropout.enabled ? scratch.take<uint32_t>(block_k) : nullptr) {}
 
-  // Every row before its first key block: nothing seen.
-  void start(int64_t rows, int64_t dim_v) {
+  // Every row before its first key block: nothing seen. The output accumulator is not touched: the
+  // first P·V product of each block of rows writes it (rows that see no key yet get 0 there).
+  void start(int64_t rows) {
     std::fill(row_max, row_max + rows, neg_inf<acc_t>());
     std::fill(row_sum, row_sum + rows, acc_t(0));
-    std::fill(out, out + rows * dim_v, acc_t(0));
   }
 };
 
 // One step of the online softmax for query row qi (head h of batch b) over the key block at k0: the
 // scores srow[0, width), of which the keys `seen` are visible, become the weights prow[0, width_pad)
 // (0 for the keys not seen); the row's running maximum *m and sum *l advance, and its output
-// accumulator orow (D_v values) is rescaled to the new maximum. With dropout, the sum is of the
+// accumulator orow (D_v values) is rescaled to the new maximum; at the row's first visible keys it is
+// left alone (0, or not yet written by the block's first product). With dropout, the sum is of the
 // undropped weights, and the dropped ones are zeroed in prow (the kept ones are scaled at the end).
 template <typename scalar_t, typename acc_t, typename ct>
 void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange seen, int64_t k0, int64_t width,
@@ -859,8 +870,9 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
     std::fill(prow, prow + width_pad, ct(0));
     return;
   }
-  // 0 when the old max is -inf (the accumulator is still 0); an unchanged max skips the exp.
-  const acc_t alpha = *m == m_new ? acc_t(1) : std::exp(*m - m_new);
+  // 1 when the old max is -inf (the sum is 0, the accumulator holds nothing to rescale); an unchanged
+  // max skips the exp.
+  const acc_t alpha = *m == m_new || *m == neg_inf<acc_t>() ? acc_t(1) : std::exp(*m - m_new);
   const acc_t sum = exp_row(srow + first, n, row_scale, m_new, prow + first);
   std::fill(prow, prow + first, ct(0));
   std::fill(prow + last, prow + width_pad, ct(0));
@@ -914,7 +926,7 @@ void forward_impl(const Params& p) {
   auto* LSE = static_cast<lse_t*>(p.lse.data);
 
   parallel_items(p.batch * p.heads_q * chunks, [&](const auto& next_item) {
-    Scratch scratch(scratch_bytes);
+    Scratch scratch(scratch_bytes, p.poison_scratch);
     ct* qbuf = q_in_place ? nullptr : scratch.take<ct>(rows_per_item * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* vbuf = scratch.take<ct>(BKpad * Dv);
@@ -938,10 +950,12 @@ void forward_impl(const Params& p) {
       } else {
         pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], rows, D);
       }
-      buffers.start(rows, Dv);
+      buffers.start(rows);
+      // Bit i: query block i's accumulator rows hold its first P·V product (blocks_per_item <= 8).
+      uint32_t written = 0;
 
       // The keys these rows see through the window (causal: up to the last row's diagonal); the
-      // others are never visited. A query block may start later, so P·V always accumulates.
+      // others are never visited. Query blocks may start at different key blocks.
       const KeyRange span = key_span(p, b);
       const int64_t k_begin = visible_keys(p, c0, span).first, k_end = visible_keys(p, c0 + rows - 1, span).end;
       for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
@@ -968,8 +982,14 @@ void forward_impl(const Params& p) {
                                    pbuf + r * ldp, row_max + r0 + r, row_sum + r0 + r, obuf + (r0 + r) * Dv,
                                    buffers.bits);
           }
-          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, true, p.use_brgemm);
+          const uint32_t block_bit = uint32_t(1) << (r0 / BQ);
+          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, (written & block_bit) != 0,
+                          p.use_brgemm);
+          written |= block_bit;
         }
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += BQ) {  // blocks that met no key: output 0
+        if ((written >> (r0 / BQ) & 1) == 0) std::fill(obuf + r0 * Dv, obuf + std::min(rows, r0 + BQ) * Dv, acc_t(0));
       }
 
       for (int64_t r = 0; r < rows; ++r) {
@@ -1074,7 +1094,7 @@ void decode_impl(const Params& p) {
   };
 
   parallel_items(items, [&](const auto& next_item) {
-    Scratch scratch(scratch_bytes);
+    Scratch scratch(scratch_bytes, p.poison_scratch);
     ct* qbuf = scratch.take<ct>(rows * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* krows = k_as_float_rows ? scratch.take<ct>(BK * D) : nullptr;
@@ -1089,7 +1109,7 @@ void decode_impl(const Params& p) {
         pack_a(qbuf + g * Lq * Dpad, Dpad, Q + b * p.query.s[0] + (hk * groups + g) * p.query.s[1],
                p.query.s[2], p.query.s[3], Lq, D);
       }
-      buffers.start(rows, Dv);
+      buffers.start(rows);
       // The keys some row sees, then this split's share of them.
       const KeyRange span = key_span(p, b);
       const int64_t seen_first = visible_keys(p, 0, span).first, seen_end = visible_keys(p, Lq - 1, span).end;
@@ -1127,14 +1147,16 @@ void decode_impl(const Params& p) {
                                  bkpad, sbuf + r * bk, pbuf + r * ldp, row_max + r, row_sum + r, obuf + r * Dv,
                                  buffers.bits);
         }
+        const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
         if (v_in_place) {
           gemm<ct, acc_t>(rows, Dv, bk, pbuf, ldp, reinterpret_cast<const ct*>(v_block), p.value.s[2], obuf, Dv,
-                          true, p.use_brgemm);
+                          accumulate, p.use_brgemm);
         } else {
           pack_b(vbuf, v_block, p.value.s[2], p.value.s[3], bk, bkpad, Dv);
-          gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, true, p.use_brgemm);
+          gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, accumulate, p.use_brgemm);
         }
       }
+      if (k_begin >= k_end) std::fill(obuf, obuf + rows * Dv, acc_t(0));  // no key here: output 0
       for (int64_t r = 0; r < rows; ++r) {
         const bool seen = row_sum[r] > acc_t(0);
         const acc_t lse = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
@@ -1271,7 +1293,7 @@ void backward_impl(const Params& p) {
   auto* dMask = static_cast<scalar_t*>(p.grad_mask.data);
 
   parallel_items(p.batch * p.heads_kv, [&](const auto& next_item) {
-    Scratch scratch(scratch_bytes);
+    Scratch scratch(scratch_bytes, p.poison_scratch);
     ct* kt_b = scratch.take<ct>(Dpad * BK);     // Kᵀ block as B of S = Q Kᵀ
     ct* vt_b = scratch.take<ct>(Dvpad * BK);    // Vᵀ block as B of dP = dO Vᵀ
     ct* k_b = scratch.take<ct>(BKpad * D);      // K block as B of dQ += dS K

@@ -61,6 +61,9 @@ struct Params {
   // for AVX512-BF16 then keeps bf16 operands in their type, as where AMX runs them.
   bool bf16_brgemm = false;
   bool use_decode = true;  // the decode kernels for few query rows (flash_kernel.h, takes_decode_path)
+  // Per-thread scratch filled with NaN bytes before use (FUSED_ATTN_CPU_POISON_SCRATCH=1, set by the
+  // tests): a value read before the kernels wrote it then reaches the output.
+  bool poison_scratch = false;
 };
 
 // One entry point per instruction set; run() in attention_cpu.cpp picks one. products() names
