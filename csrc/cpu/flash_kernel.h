@@ -565,8 +565,8 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   // Float and fp16 weights under 2^-64 of the row's largest (the shift) become 0: next to the largest
   // they change no sum, and their products with V would be denormal numbers, each costing the FMA
   // units a microcode assist (ALiBi's distant keys made a fifth of the call's time of them). bf16
-  // weights skip it: AMX's and AVX512-BF16's products take denormal inputs as zero anyway, and the
-  // compare and masked move cost the 16-bit forward a tenth of its time (bench/NOTES.md, section 28).
+  // weights skip it: AMX's and AVX512-BF16's products take denormal inputs as zero anyway, and there
+  // the compare and masked move are a measurable part of the forward (bench/NOTES.md, section 28).
   constexpr bool kFlush = std::is_same_v<acc_t, float> && !std::is_same_v<ct, c10::BFloat16>;
   const V flush_below(kFoldLog2e ? acc_t(-64) : acc_t(-44.361419555836500));
   const auto flushed = [&](const V& e, const V& arg) {
@@ -579,10 +579,8 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
       return flushed(exp2_nonpositive(arg), arg);
     } else if constexpr (kVnni<ct>) {
       return flushed(exp2_nonpositive(arg * V(log2e)), arg);
-    } else if constexpr (std::is_same_v<acc_t, float>) {
-      return zero_below(vexp(arg), arg, flush_below);
     } else {
-      return vexp(arg);
+      return flushed(vexp(arg), arg);
     }
   };
   V sum0(acc_t(0)), sum1(acc_t(0));
