@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_attn
+from fused_attn import testing
 
 from . import report, timing
 
@@ -115,9 +116,15 @@ def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capaci
         "gathered": gathered,
     }
     with torch.inference_mode():
-        dense = runs["kvcache"]()
-        for name in ("paged", "gathered"):  # the same attention, or the timing compares nothing
-            torch.testing.assert_close(runs[name](), dense)
+        # The same attention, or the timing compares nothing: each step (the first appends the token to
+        # every cache) by the project's criterion against SDPA over the appended keys in float64. Not
+        # against each other: bf16 weights rounded per key block differ with the blocks' sizes.
+        results = {name: runs[name]() for name in ("kvcache", "paged", "gathered")}
+        exact = F.scaled_dot_product_attention(q.double(), k_valid.double(), v_valid.double(), enable_gqa=True)
+        allowed = testing.allowed_error("out", exact, runs["sdpa"](), dtype)
+        for name, out in results.items():
+            error = testing.max_error(out, exact)
+            assert error <= allowed, f"{name}: error {error:.3e} > allowed {allowed:.3e}"
         samples = timing.interleaved_samples(runs, rounds, warmup=3, budget_s=budget_s)
     return {"rounds": len(samples["sdpa"]), **{f"{name}_us": statistics.median(samples[name]) * 1e6 for name in runs},
             "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["kvcache"]),
