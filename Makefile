@@ -23,8 +23,8 @@ $(INSTALLED): $(SOURCES)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $@
 
-# One pytest-xdist worker per core, up to 4 (TEST_WORKERS=0: all in this process); the tests that read the static GPU
-# report run in one worker (tests/conftest.py).
+# One pytest-xdist worker per core, up to 4 (TEST_WORKERS=0: all in this process); the static GPU report is compiled
+# once per run and shared by the workers (tests/conftest.py).
 TEST_WORKERS ?= auto
 
 test: $(INSTALLED)

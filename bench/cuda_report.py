@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from .gpu_binaries import SASS_INSTRUCTION, ToolMissing, find_cuobjdump, resource_problems
+from .kernel_table import format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_DIR = ROOT / "csrc" / "cuda"
@@ -309,8 +310,6 @@ def main(argv=None) -> int:
         for row in rows:
             print(json.dumps(row))
     else:
-        from .inspect import format_table  # bench.inspect imports this module
-
         print(format_table(rows))
         print(f"{len(rows)} kernel instances, {sum(not r['fits'] for r in rows)} with problems, "
               f"compiled in {time.perf_counter() - start:.0f} s")

@@ -8,8 +8,9 @@ whether it fits the device.
     python -m bench.inspect            # table
     python -m bench.inspect --json     # one JSON object per (backend, kernel, target, config)
 
-The tests run the JSON form once per session (`start_json`, started by tests/conftest.py when the
-collected tests need it, and the `static_gpu_report` fixture) and judge its rows (tests/test_triton_compile.py, tests/test_cuda_compile.py, tests/test_inspect.py).
+The tests run the JSON form once per test run, shared by pytest-xdist's workers (`start_json`, started
+by tests/conftest.py when the collected tests need it, and the `static_gpu_report` fixture) and judge its
+rows (tests/test_triton_compile.py, tests/test_cuda_compile.py, tests/test_inspect.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import typing
 from pathlib import Path
 
 from . import cuda_report, triton_report
+from .kernel_table import format_table
 
 SOURCES = {"triton": triton_report.report, "cuda": cuda_report.report}
 
@@ -44,30 +46,6 @@ def collect(backends=tuple(SOURCES)) -> tuple[list[dict], dict[str, str]]:
         except (OSError, RuntimeError) as error:  # a missing compiler or a failed build
             missing[backend] = str(error)
     return rows, missing
-
-
-def format_table(rows: list[dict]) -> str:
-    """The rows of either backend's report as one aligned text table (a row per kernel build)."""
-    def text(value):
-        return "-" if value is None else str(value)
-
-    header = ("backend", "kernel", "target", "dtype", "D", "causal", "dropout", "bias grad", "scores", "config",
-              "regs",
-              "spill B", "stack B", "smem KiB", "tensor-core ops", "fits")
-    lines = [header]
-    for row in rows:
-        tensor_cores = " ".join(f"{name}:{count}" for name, count in
-                                sorted(row["tensor_core_instructions"].items())) or "-"
-        lines.append((row["backend"], row["kernel"], row["target"], text(row["dtype"]), text(row["head_dim"]),
-                      text(row["causal"]), text(row.get("dropout")), text(row.get("bias_grad")),
-                      text(row.get("scores")), row["config"],
-                      str(row["registers"]),
-                      str(row["spill_bytes"]),
-                      str(row["stack_bytes"]), f"{row['shared_bytes'] / 1024:.1f}", tensor_cores,
-                      "yes" if row["fits"] else "NO: " + "; ".join(row["problems"])))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
-                     for line in lines)
 
 
 @dataclasses.dataclass

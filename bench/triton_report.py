@@ -2,10 +2,11 @@
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
 bf16; head dims 64 and 128; causal and not, causal with dropout, causal with every score variant of
-fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi) with key padding, the same
-with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), and for dK/dV
-causal with dropout and the gradient of a learned additive bias, alone and with the score variants)
-for sm_80 and sm_90 with Triton's
+fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi, attention sinks) with key
+padding, the same with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), and
+for dK/dV causal with dropout and the gradient of a learned additive bias, alone and with the score variants;
+the split-KV decode kernels plain, with the score variants and over a paged cache, their combine plain and
+with sinks) for sm_80 and sm_90 with Triton's
 own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
 `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
 (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
@@ -34,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from . import gpu_binaries
+from .kernel_table import format_table
 
 TARGETS = {"sm_80": 80, "sm_90": 90}
 TENSOR_CORE_PREFIX = {"sm_80": "HMMA", "sm_90": "HGMMA"}
@@ -53,9 +55,11 @@ MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
 FIXED_CONFIG = "BLOCK_M={block_m},{block_n}warps={warps},stages={stages}"
 # (causal, dropout, bias_grad, scores) variants of the kernels with products; the preprocess depends on
 # none but the packing. bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel
-# only; scores True is every score variant at once (window, bottom-right alignment, softcap, ALiBi) and
-# key padding, "packed" every score variant over a packed batch of sequences (fused_attn.varlen), "paged"
+# only; scores True is every score variant at once (window, bottom-right alignment, softcap, ALiBi, sinks)
+# and key padding, "packed" every score variant over a packed batch of sequences (fused_attn.varlen), "paged"
 # every score variant and key padding over a paged key/value cache (fused_attn.kvcache, the forward only).
+# Sinks change the forward kernels' epilogue and the decode combine only (HAS_SINKS); the backward kernels
+# and the split-KV decode kernel take none (they compile as without them).
 PACKED = "packed"
 PAGED = "paged"
 PAGE_SIZE = 16  # vLLM's block size: keys of one tile come from several blocks
@@ -68,8 +72,8 @@ def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
         return (*VARIANTS, (True, True, True, False), (True, True, True, True))
     if kernel == "decode":  # no dropout (calls with dropout take the long-query kernels), no packing
         return ((False, False, False, False), (True, False, False, True), (True, False, False, PAGED))
-    if kernel == "decode_combine":
-        return ((False, False, False, False),)
+    if kernel == "decode_combine":  # the score variants: the sinks, the only one the combine reads
+        return ((False, False, False, False), (False, False, False, True))
     if kernel == "fwd":
         return (*VARIANTS, (True, False, False, PAGED))
     return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False, False), (False, False, False, PACKED))
@@ -171,10 +175,10 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     # A learned (1, H, L, L) bias, broadcast over the batch, and its dense gradient.
     bias = torch.empty(1, heads, length, length, dtype=dtype).expand(batch, -1, -1, -1) if bias_grad else None
     grad_bias = torch.empty(batch, heads, length, length, dtype=dtype) if bias_grad else None
-    # Every score variant at once: a bottom-right window, a softcap, ALiBi slopes (B, H_q); with them,
-    # key padding and its per-row span of keys.
+    # Every score variant at once: a bottom-right window, a softcap, ALiBi slopes (B, H_q), sinks (H_q,);
+    # with them, key padding and its per-row span of keys.
     variant = (ScoreVariant(bottom_right=True, window_left=128, window_right=0, softcap=30.0,
-                            alibi_slopes=torch.empty(batch, heads)) if scores else PLAIN)
+                            alibi_slopes=torch.empty(batch, heads), sinks=torch.empty(heads)) if scores else PLAIN)
     padding = torch.zeros(batch, length, dtype=torch.bool) if scores in (True, PAGED) else None
     pages = None
     if scores == PAGED:  # the cache's blocks in a table, as (num_blocks, H, block_size, D) views
@@ -189,7 +193,8 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
                                                          part_o, part_lse, pages)
             fixed = _fixed(constexprs, triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES)
         else:
-            args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4)
+            args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4,
+                                                          variant)
             fixed = _fixed(constexprs, triton_decode.COMBINE_WARPS, 1, block_n=False)
         return triton_decode.KERNELS[kernel], args, constexprs, fixed, dtype
     if kernel == "fwd":
@@ -308,8 +313,6 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
         return 0
     rows = report(options.targets, options.dtypes, options.head_dims)
-    from .inspect import format_table  # bench.inspect imports this module
-
     print(format_table(rows))
     return 0 if all(r["fits"] for r in rows) else 1
 

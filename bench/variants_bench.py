@@ -7,6 +7,8 @@ call it should be measured by, interleaved in one process with the same inputs a
   the non-causal call, whose work it nearly has (top-left causal at L_q < L_k sees only the first L_q
   keys, ~15× less work here).
 - Softcap (30) and ALiBi slopes at B=4, H=8, L=2048, D=64: against the plain call (target ≤ 1.15).
+- Attention sinks (a learned logit per head, requiring grad) at B=4, H=8, L=2048, D=64: against the
+  plain call (target ≤ 1.05); causal, as gpt-oss runs them.
 - Padding passed as a bool attn_mask (B, 1, 1, L_k) at B=2, H=8, L=1024, D=64 (the second sequence
   right-padded to 700 keys): against SDPA given the same mask, and against our key_padding_mask.
 
@@ -81,6 +83,16 @@ def cap_alibi_candidates(heads):
     }
 
 
+def sink_candidates(heads):
+    cpu = dict(backend="cpu", is_causal=True)
+    # Requiring grad: the forward+backward rows include the sinks' own gradient.
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    return {
+        "sinks": lambda q, k, v: fused_attn.attention(q, k, v, sinks=sinks, **cpu),
+        "plain": lambda q, k, v: fused_attn.attention(q, k, v, **cpu),
+    }
+
+
 def padding_candidates(batch, length):
     cpu = dict(backend="cpu")
     valid = torch.tensor([length, 700])[:batch]
@@ -104,6 +116,8 @@ EXPERIMENTS = {
     "cap_alibi": ((4, 8, 2048, 2048, 64), lambda: cap_alibi_candidates(8),
                   [("softcap", "plain", "softcap / plain (target ≤ 1.15)"),
                    ("alibi", "plain", "ALiBi / plain (target ≤ 1.15)")]),
+    "sinks": ((4, 8, 2048, 2048, 64), lambda: sink_candidates(8),
+              [("sinks", "plain", "sinks / plain (target ≤ 1.05)")]),
     "padding_mask": ((2, 8, 1024, 1024, 64), lambda: padding_candidates(2, 1024),
                      [("sdpa_mask", "bool_mask", "SDPA / bool mask"),
                       ("key_padding", "bool_mask", "key_padding_mask / bool mask"),

@@ -11,7 +11,10 @@
 // The score variant (fused_attn/scores.py): query i sees key j iff -window_left <= j - (i + offset)
 // <= window_right (-1: unbounded; is_causal makes window_right 0), offset = (L_k - L_q if bottom_right
 // else 0) + diagonal_shift; softcap > 0 caps the scaled scores; alibi_slopes, float32 (B, H_q) with any strides, adds
-// -slope * |i + offset - j|.
+// -slope * |i + offset - j|. sinks, (H_q,) contiguous, of the lse's dtype (forward ops only): one logit per query head
+// that joins every row's softmax and carries no value, so lse_i = log(exp(sinks[h]) + sum_j exp(s_ij)) and
+// out_i = sum_j exp(s_ij - lse_i) v_j; a row that sees no key gives 0 and lse sinks[h]. The backward
+// needs no sinks: the lse it is given includes them.
 
 #include <Python.h>
 #include <torch/library.h>
@@ -31,7 +34,7 @@ TORCH_LIBRARY(fused_attn, m) {
       "flash_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, float dropout_p=0., "
       "Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
-      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> Tensor");
+      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, Tensor? sinks=None) -> Tensor");
   m.def(
       "flash_backward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor out, Tensor lse, "
@@ -45,7 +48,8 @@ TORCH_LIBRARY(fused_attn, m) {
   m.def(
       "paged_forward(Tensor query, Tensor k_blocks, Tensor v_blocks, Tensor block_table, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, int window_left=-1, "
-      "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> Tensor");
+      "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, "
+      "Tensor? sinks=None) -> Tensor");
   // A packed batch (fused_attn/varlen.py; CUDA): query (total_q, H_q, D_qk), key (total_k, H_kv, D_qk),
   // value (total_k, H_kv, D_v), any strides; sequence b is tokens cu_seqlens[b] .. cu_seqlens[b + 1]
   // (int32 or int64 (B + 1,), on the tensors' device); max_seqlen_* the longest sequences, -1 if not
@@ -55,7 +59,8 @@ TORCH_LIBRARY(fused_attn, m) {
       "flash_forward_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor(a!) out, Tensor(b!) lse, "
       "float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
-      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> ()");
+      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, "
+      "Tensor? sinks=None) -> ()");
   m.def(
       "flash_backward_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor out, Tensor lse, Tensor grad_out, "

@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from . import ops
 from .backends import registry
+from .checks import _check_generator, _check_inputs, _check_key_padding_mask, _check_options
 from .dropout import next_rng, shifted_rng
-from .functional import _check_generator, _check_inputs, _check_key_padding_mask, _check_options
 from .problem import Problem, lse_dtype
-from .scores import UNBOUNDED, ScoreVariant, variant_of
+from .scores import UNBOUNDED, ScoreVariant, sink_gradient, variant_of, with_sinks
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -395,7 +395,7 @@ def _merge(out_acc, lse_acc, out_part, lse_part) -> None:
     lse_acc.copy_(merged)
 
 
-def _ring_forward(ring: _Ring, query, key, value, key_padding_mask):
+def _ring_forward(ring: _Ring, query, key, value, key_padding_mask, sinks):
     batch, heads, len_q, _ = query.shape
     acc_dtype = lse_dtype(query.dtype)
     out_acc = query.new_zeros((batch, heads, len_q, value.shape[-1]), dtype=acc_dtype)
@@ -412,6 +412,8 @@ def _ring_forward(ring: _Ring, query, key, value, key_padding_mask):
             _merge(out_acc[:, :, part.q0:part.q1], lse_acc[:, :, part.q0:part.q1], out, lse)
         if transfer is not None:
             block = _KeyBlock.received(transfer)
+    # The sinks join each row's softmax once, after its keys of every rank.
+    out_acc, lse_acc = with_sinks(lse_acc, out_acc, sinks)
     return out_acc.to(query.dtype), lse_acc
 
 
@@ -455,20 +457,22 @@ def _ring_backward(ring: _Ring, grad_out, grad_lse, query, key, value, key_paddi
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, key_padding_mask, ring: _Ring):
-        out, lse = _ring_forward(ring, query, key, value, key_padding_mask)
-        ctx.save_for_backward(query, key, value, key_padding_mask, out, lse)
+    def forward(ctx, query, key, value, key_padding_mask, sinks, ring: _Ring):
+        out, lse = _ring_forward(ring, query, key, value, key_padding_mask, sinks)
+        ctx.save_for_backward(query, key, value, key_padding_mask, sinks, out, lse)
         ctx.ring = ring
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        query, key, value, key_padding_mask, out, lse = ctx.saved_tensors
+        query, key, value, key_padding_mask, sinks, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grads = _ring_backward(ctx.ring, grad_out, grad_lse, query, key, value, key_padding_mask, out, lse)
-        return (*grads, None, None)
+        # This rank's rows' share, as for any parameter replicated over the ranks.
+        grad_sinks = sink_gradient(sinks, lse, out, grad_out, grad_lse) if ctx.needs_input_grad[4] else None
+        return (*grads, None, grad_sinks, None)
 
 
 def _band(is_causal: bool, variant, len_q: int, len_k: int):
@@ -482,7 +486,8 @@ def _band(is_causal: bool, variant, len_q: int, len_k: int):
 
 def ring_attention(query, key, value, *, group=None, is_causal=False, layout="contiguous", scale=None,
                    enable_gqa=False, key_padding_mask=None, window_size=None, causal_alignment="top_left",
-                   softcap=None, dropout_p=0.0, alibi_slopes=None, generator=None, return_lse=False, backend=None):
+                   softcap=None, dropout_p=0.0, alibi_slopes=None, sinks=None, generator=None, return_lse=False,
+                   backend=None):
     """Attention over a sequence sharded across the ranks of `group` (default: the world), exact.
 
     Each rank passes its own shard, as `shard(x, layout)` makes it, and gets the output rows of its own
@@ -501,6 +506,9 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, layout="co
         window_size, causal_alignment, softcap, alibi_slopes, scale, enable_gqa, backend: as
             `fused_attn.attention`, in global positions. Ring steps whose keys lie outside every query's
             window are skipped.
+        sinks: (H_q,), as `fused_attn.attention`: each row's sink joins its softmax once, after the keys of
+            every rank. Its gradient on each rank is the share of that rank's rows (sum it over the group
+            with the other replicated parameters' gradients).
         dropout_p, generator: as `fused_attn.attention`: rank 0's seed (every rank draws one from its
             generator, advancing it) is used by all, so the ring drops what the single-device call with
             that seed drops.
@@ -518,7 +526,7 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, layout="co
     _check_generator(generator, query)
     _check_key_padding_mask(key_padding_mask, query, key)
     _check_layout(layout)
-    variant = variant_of(query, causal_alignment, window_size, softcap, alibi_slopes)  # checks the keywords
+    variant = variant_of(query, causal_alignment, window_size, softcap, alibi_slopes, sinks)  # checks the keywords
     rank, world = _group_rank_and_size(group)
     per_rank = chunks_per_rank(layout)
     for name, tensor in (("query", query), ("key", key)):
@@ -528,12 +536,14 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, layout="co
     len_q, len_k = query.shape[2] * world, key.shape[2] * world
     low, high = _band(is_causal, variant, len_q, len_k)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    problem = Problem.of(query, key, value, None, key_padding_mask, is_causal, float(dropout_p), variant)
+    # The steps run without the sinks (they join at the end, above the kernels).
+    problem = Problem.of(query, key, value, None, key_padding_mask, is_causal, float(dropout_p),
+                         dataclasses.replace(variant, sinks=None))
     chosen = registry.choose(problem, backend).name
     rng = _shared_rng(query.device, generator, group) if dropout_p > 0.0 else None
     ring = _Ring(group, rank, world, layout, low, high, variant.offset(len_q, len_k), scale, variant.softcap,
                  variant.alibi_slopes, float(dropout_p), rng, chosen)
-    out, lse = _RingAttention.apply(query, key, value, key_padding_mask, ring)
+    out, lse = _RingAttention.apply(query, key, value, key_padding_mask, variant.sinks, ring)
     return (out, lse) if return_lse else out
 
 

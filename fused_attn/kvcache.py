@@ -13,8 +13,9 @@ of sequence b sits at position `length_b - L_q + i`; with one query and no windo
 every key of the sequence and nothing more is needed. With several queries under `is_causal`, or a
 window, the visible keys are given as a bool mask (B, 1, L_q, L_max) built from the lengths. ALiBi
 runs in the kernels aligned to the end of the cache buffer: for keys at or before the query, as
-under `is_causal` or with one query, that shifts every score of a row by the same amount, which the
-softmax ignores and the returned log-sum-exp gets back. The shift, slope · (L_max - length), is
+under `is_causal`, a window of right bound 0 or with one query, that shifts every score of a row by the
+same amount, which the softmax ignores and the returned log-sum-exp gets back (other calls with ALiBi
+are refused). The shift, slope · (L_max - length), is
 rounded with the scores: in a buffer of thousands of keys, ALiBi's results are less precise than a call
 on the sequence alone (an fp32 output error of ~1e-4 at L_max = 1536 with slope 1).
 """
@@ -24,9 +25,10 @@ from __future__ import annotations
 import torch
 
 from .backends import registry
-from .functional import _check_options, attention
+from .checks import _check_options, assert_on_device
+from .functional import attention
 from .problem import Problem, output_like
-from .scores import variant_of
+from .scores import variant_of, with_sinks
 
 
 def _check_cache(name: str, cache: torch.Tensor, paged: bool, query: torch.Tensor) -> None:
@@ -49,16 +51,6 @@ def _check_lengths(cache_seqlens, batch: int, device) -> None:
         raise ValueError(f"cache_seqlens: expected device {device} (as query), got {cache_seqlens.device}")
 
 
-def assert_on_device(condition: torch.Tensor, message: str) -> None:
-    """Raises `message` when `condition` (a bool tensor) is false: at once on the CPU, asynchronously
-    (at the next synchronisation) on a GPU, which keeps the call free of host synchronisation."""
-    if condition.device.type == "cpu":
-        if not bool(condition):
-            raise ValueError(message)
-    else:
-        torch._assert_async(condition, message)
-
-
 def _positions_of(block_table: torch.Tensor | None, block_size: int, positions: torch.Tensor):
     """(rows, offsets) indexing a paged cache's first two dims at each (b, position); for a dense
     cache, (batch index, position)."""
@@ -78,7 +70,8 @@ def _append(cache: torch.Tensor, new: torch.Tensor, positions, block_table, bloc
         cache[rows, offsets] = tokens
 
 
-def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scale, softcap, alibi_slopes, backend):
+def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scale, softcap, alibi_slopes, sinks,
+                     backend):
     """`attention` over the paged cache's sequences, by the chosen backend's `forward_paged`: the kernels
     read the blocks in place where they take a block table (fused_attn.backends.base)."""
     batch, heads_q, len_q, dim = query.shape
@@ -89,7 +82,7 @@ def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scal
         raise ValueError(f"k_cache: expected a number of heads dividing the query's {heads_q}, got {heads_kv}")
     _check_options(0.0, scale, False)
     len_k = block_table.shape[1] * block_size
-    variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes)
+    variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, sinks)
     problem = Problem(device=query.device, dtype=query.dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                       len_q=len_q, len_k=len_k, head_dim_qk=dim, head_dim_v=v_blocks.shape[3], is_causal=False,
                       dropout_p=0.0, mask_dtype=None if mask is None else mask.dtype, mask_requires_grad=False,
@@ -106,7 +99,7 @@ def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scal
 
 def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cache_seqlens, block_table=None,
                            scale=None, is_causal=True, window_size=None, softcap=None, alibi_slopes=None,
-                           return_lse=False, backend=None):
+                           sinks=None, return_lse=False, backend=None):
     """Appends `key`/`value` to each sequence's cache, in place, and attends over the sequence.
 
     Args:
@@ -119,8 +112,9 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         block_table: int32 (B, max_blocks): the cache blocks of each sequence, in order.
         is_causal: query i sees the keys up to its own position (bottom-right aligned to each
             sequence's end), as in generation; with one query it sees the whole sequence anyway.
-        scale, window_size, softcap, alibi_slopes, return_lse, backend: as in `fused_attn.attention`,
-            positions counted within each sequence.
+        scale, window_size, softcap, alibi_slopes, sinks, return_lse, backend: as in `fused_attn.attention`,
+            positions counted within each sequence. With several queries, ALiBi needs a call in which no
+            key after a query is visible: `is_causal`, or a window of right bound 0.
 
     Returns:
         (B, H_q, L_q, D_v), or (output, lse) when `return_lse`. No gradient flows (inference).
@@ -177,7 +171,7 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         len_k = capacity
         key_index = torch.arange(len_k, device=query.device)
         padding = key_index[None, :] >= lengths[:, None]
-        variant = variant_of(query, "bottom_right", window_size, softcap, alibi_slopes)
+        variant = variant_of(query, "bottom_right", window_size, softcap, alibi_slopes, sinks)
         left, right = variant.bounds(False)  # the window alone: -1 where unbounded
         if is_causal and len_q > 1:  # (one query sees no key after it: the sequence ends there)
             right = 0
@@ -192,22 +186,28 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             if right >= 0:
                 visible &= distance <= right
             mask = visible[:, None]
-        if alibi_slopes is not None and not is_causal and len_q > 1:
-            raise ValueError("alibi_slopes: with is_causal=False and more than one query, some keys lie after "
-                             "a query, where ALiBi aligned to the cache's end is not a shift of the scores; "
-                             "pass is_causal=True or one query at a time")
+        # What matters is the visible band, not the flag: a window of right bound 0 is causal too.
+        if alibi_slopes is not None and len_q > 1 and right != 0:
+            raise ValueError(f"alibi_slopes: with is_causal=False, window_size={window_size!r} and more than one "
+                             "query, some keys lie after a query, where ALiBi aligned to the cache's end is not a "
+                             "shift of the scores; pass is_causal=True, a window of right bound 0, or one query "
+                             "at a time")
+        # With ALiBi the kernels' scores are off by a shift per row (below), which the sinks do not share:
+        # they join after the shift is undone.
+        kernel_sinks = None if alibi_slopes is not None else sinks
         if paged:
             out, lse = _paged_attention(query, k_cache, v_cache, block_table, mask, padding, scale, softcap,
-                                        alibi_slopes, backend)
+                                        alibi_slopes, kernel_sinks, backend)
         else:
             out, lse = attention(query, k_cache, v_cache, mask, scale=scale,
                                  enable_gqa=query.shape[1] != k_cache.shape[1], key_padding_mask=padding,
                                  return_lse=True, backend=backend, causal_alignment="bottom_right", softcap=softcap,
-                                 alibi_slopes=alibi_slopes)
+                                 alibi_slopes=alibi_slopes, sinks=kernel_sinks)
         if alibi_slopes is not None:
             # The kernels measured ALiBi's distances from the buffer's end, len_k - 1, where the
             # sequence ends at lengths[b] - 1: every visible score of the row was lower by
             # slope · (len_k - lengths[b]).
             slopes = variant.alibi_slopes  # (B, H_q)
             lse = lse + (slopes * (len_k - lengths)[:, None]).to(lse.dtype)[:, :, None]
+            out, lse = with_sinks(lse, out, variant.sinks)
     return (out, lse) if return_lse else out

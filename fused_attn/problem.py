@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .scores import PLAIN, ScoreVariant
+from .scores import PLAIN, ScoreVariant, lse_dtype  # noqa: F401 (lse_dtype: its users import it from here)
 
 
 class Problem(NamedTuple):
@@ -66,11 +66,6 @@ class Problem(NamedTuple):
             has_key_padding_mask=key_padding_mask is not None,
             score_features=variant.features(is_causal),
         )
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for every input dtype but float64, whose gradients need a float64 log-sum-exp."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def output_like(query: torch.Tensor, head_dim_v: int, seq_first: bool) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """What a call asks of its scores beyond the masks: the diagonal's alignment, a sliding window, a
-softcap and ALiBi. One value, `ScoreVariant`, carries them from the public functions to the kernels.
+softcap, ALiBi and attention sinks. One value, `ScoreVariant`, carries them from the public functions to
+the kernels.
 
 Query i sees key j iff
 
@@ -17,6 +18,15 @@ position p', offset p - p', as ring attention's steps are).
 
 in that order, before the softmax. The reference backend materialises these terms; the kernels
 compute them from the indices, and skip the key blocks a window hides entirely.
+
+Sinks (gpt-oss, StreamingLLM): one learned logit per query head, sinks[h], joins every row's softmax as
+a column that carries no value. Row i's weights are exp(s_ij - lse_i) with
+
+    lse_i = log(exp(sinks[h]) + sum_j visible exp(s_ij))
+
+so the weights of a row sum to less than 1; a row that sees no key gives output 0 and lse sinks[h]. The
+kernels fold the sink in where the log-sum-exp is finalised, and their backward needs nothing more than
+that log-sum-exp; the sinks' own gradient is `sink_gradient` below, one term per row.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 UNBOUNDED = -1
 ALIGNMENTS = ("top_left", "bottom_right")
 # What a backend may declare it takes (Backend.takes_score_variants).
-FEATURES = ("bottom_right", "window", "softcap", "alibi")
+FEATURES = ("bottom_right", "window", "softcap", "alibi", "sinks")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,6 +55,7 @@ class ScoreVariant:
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     diagonal_shift: int = 0  # added to the alignment's offset (an integer causal_alignment)
+    sinks: torch.Tensor | None = None  # (H_q,) in lse_dtype (float32; float64 for float64 inputs), contiguous
 
     def offset(self, len_q: int, len_k: int) -> int:
         """Key index of query 0's diagonal."""
@@ -67,21 +78,28 @@ class ScoreVariant:
             names.append("softcap")
         if self.alibi_slopes is not None:
             names.append("alibi")
+        if self.sinks is not None:
+            names.append("sinks")
         return tuple(names)
 
-    def op_args(self) -> tuple:
-        """(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift): the ops' flat
-        arguments."""
+    def score_args(self) -> tuple:
+        """(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift): what the
+        scores of a key take, the flat arguments of the kernels' backward."""
         return (self.window_left, self.window_right, self.bottom_right, self.softcap, self.alibi_slopes,
                 self.diagonal_shift)
+
+    def op_args(self) -> tuple:
+        """`score_args` and the sinks: the flat arguments of the forward ops and of the Python ops."""
+        return (*self.score_args(), self.sinks)
 
 
 PLAIN = ScoreVariant()
 
 
 def from_op_args(window_left: int, window_right: int, bottom_right: bool, softcap: float,
-                 alibi_slopes: torch.Tensor | None, diagonal_shift: int = 0) -> ScoreVariant:
-    return ScoreVariant(bottom_right, window_left, window_right, softcap, alibi_slopes, diagonal_shift)
+                 alibi_slopes: torch.Tensor | None, diagonal_shift: int = 0,
+                 sinks: torch.Tensor | None = None) -> ScoreVariant:
+    return ScoreVariant(bottom_right, window_left, window_right, softcap, alibi_slopes, diagonal_shift, sinks)
 
 
 def _window(window_size) -> tuple[int, int]:
@@ -119,13 +137,39 @@ def _alibi(alibi_slopes, query: torch.Tensor) -> torch.Tensor | None:
     return alibi_slopes.expand(batch, heads)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for every input dtype but float64, whose gradients need a float64 log-sum-exp."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _sinks(sinks, query: torch.Tensor) -> torch.Tensor | None:
+    """The sinks as the kernels read them: (H_q,) in `lse_dtype` (the log-sum-exp they join), contiguous.
+    The conversion is differentiable, so sinks of another dtype that require grad get their gradient."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected None or a torch.Tensor, got {type(sinks).__name__}")
+    heads = query.shape[1]
+    if sinks.dtype not in (torch.float32, query.dtype):
+        expected = "torch.float32" + ("" if query.dtype == torch.float32 else f" or {query.dtype} (as query)")
+        raise TypeError(f"sinks: expected dtype {expected}, got {sinks.dtype}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks: expected device {query.device} (as query), got {sinks.device}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks: expected shape (H_q,) = ({heads},), one logit per query head, "
+                         f"got {tuple(sinks.shape)}")
+    return sinks.to(lse_dtype(query.dtype)).contiguous()
+
+
 # The variants of calls that set nothing but the alignment, made once: most calls are these.
 _UNVARIED = {"top_left": PLAIN, "bottom_right": ScoreVariant(bottom_right=True)}
 
 
-def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap, alibi_slopes) -> ScoreVariant:
+def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap, alibi_slopes,
+               sinks=None) -> ScoreVariant:
     """Checks the public keywords and makes the call's ScoreVariant."""
-    if window_size is None and softcap is None and alibi_slopes is None and type(causal_alignment) is str:
+    if (window_size is None and softcap is None and alibi_slopes is None and sinks is None
+            and type(causal_alignment) is str):
         unvaried = _UNVARIED.get(causal_alignment)
         if unvaried is not None:
             return unvaried
@@ -142,7 +186,7 @@ def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap,
             or softcap < 0:
         raise ValueError(f"softcap: expected None or a finite number >= 0 (0: no cap), got {softcap!r}")
     return ScoreVariant(causal_alignment == "bottom_right", left, right, float(softcap),
-                        _alibi(alibi_slopes, query), shift)
+                        _alibi(alibi_slopes, query), shift, _sinks(sinks, query))
 
 
 def causal_bias_variant(attn_mask, query: torch.Tensor, key: torch.Tensor) -> str | None:
@@ -177,3 +221,41 @@ def terms(variant: ScoreVariant, is_causal: bool, batch: int, heads: int, len_q:
         slopes = variant.alibi_slopes.expand(batch, heads).to(torch.float64)
         bias = -slopes[:, :, None, None] * distance.abs().to(torch.float64)
     return visible, bias
+
+
+def with_sinks(lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None, heads_dim: int = 1):
+    """(out, lse) of a call without sinks turned into those of the same call with them:
+    lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). For results merged outside the kernels
+    (ring attention's steps); `heads_dim` is the heads' dimension of `lse` (its rows follow)."""
+    if sinks is None:
+        return out, lse
+    shape = [1] * lse.dim()
+    shape[heads_dim] = -1
+    sink = sinks.to(lse.dtype).view(shape)
+    merged = torch.logaddexp(lse, sink)
+    factor = torch.where(merged == float("-inf"), 0.0, torch.exp(lse - merged))
+    return (out.to(factor.dtype) * factor.unsqueeze(-1)).to(out.dtype), merged
+
+
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
+                  grad_lse: torch.Tensor | None, heads_dim: int = 1) -> torch.Tensor:
+    """d loss / d sinks, (H_q,) of the sinks' dtype: the sink's weight in each row, p = exp(sink - lse), times the
+    gradient its logit gets there, grad_lse - rowsum(dO * O).
+
+    `lse` is the call's log-sum-exp (the sinks in it), the heads at `heads_dim`; `out` and `grad_out` are
+    viewed with lse's shape followed by D_v. The sum runs in
+    float64 in a fixed order (a cumulative sum along each head's rows), so the result is bit-identical
+    across runs and thread counts."""
+    accumulate = torch.float64
+    delta = torch.linalg.vecdot(grad_out.to(accumulate), out.to(accumulate))
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(accumulate)
+    shape = [1] * lse.dim()
+    shape[heads_dim] = -1
+    sink = sinks.to(accumulate).view(shape)
+    lse = lse.to(accumulate)
+    weight = torch.where(lse == float("-inf"), 0.0, torch.exp(sink - lse))
+    terms = (-weight * delta).movedim(heads_dim, 0).reshape(sinks.shape[0], -1)
+    if terms.shape[1] == 0:
+        return torch.zeros_like(sinks)
+    return terms.cumsum(dim=1)[:, -1].to(sinks.dtype)

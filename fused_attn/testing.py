@@ -13,7 +13,7 @@ import torch
 
 from .backends import reference
 from .dropout import Dropout, keep_mask, next_rng, peek_rng, shifted_rng
-from .scores import PLAIN, ScoreVariant, variant_of
+from .scores import PLAIN, ScoreVariant, lse_dtype, sink_gradient, variant_of
 
 # Floors, relative to the largest magnitude of the float64 result (at least 1).
 ERROR_FLOOR = {
@@ -80,6 +80,7 @@ class Results:
     grad_key: torch.Tensor | None = None
     grad_value: torch.Tensor | None = None
     grad_mask: torch.Tensor | None = None  # of an additive mask that requires grad, in its own shape
+    grad_sinks: torch.Tensor | None = None  # of the sinks, (H_q,)
 
     def named(self) -> dict[str, torch.Tensor]:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
@@ -128,6 +129,10 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
         dropout = Dropout(dropout.p, dropout.rng.cpu())
     if variant.alibi_slopes is not None:
         variant = dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes.cpu())
+    sinks = None
+    if variant.sinks is not None:  # kept in their own dtype (float32) but for float64, as the kernels take them
+        sinks = variant.sinks.detach().to("cpu", lse_dtype(dtype)).requires_grad_(wants_grad)
+        variant = dataclasses.replace(variant, sinks=sinks)
     out, lse = reference.attention(q, k, v, mask, padding, is_causal, scale, dropout, variant=variant)
     results = Results(out.detach(), lse.detach())
     if wants_grad:
@@ -135,11 +140,13 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
         if grad_lse is not None:
             outputs.append(lse)
             grads_in.append(grad_lse.detach().to("cpu", lse.dtype))
-        inputs = (q, k, v, mask) if mask_grad else (q, k, v)
-        grads = torch.autograd.grad(outputs, inputs, grads_in)
+        inputs = [q, k, v] + ([mask] if mask_grad else []) + ([sinks] if sinks is not None else [])
+        grads = list(torch.autograd.grad(outputs, inputs, grads_in))
         results.grad_query, results.grad_key, results.grad_value = grads[:3]
         if mask_grad:
             results.grad_mask = grads[3]
+        if sinks is not None:
+            results.grad_sinks = grads[-1]
     return results
 
 
@@ -234,6 +241,7 @@ class Case:
     window: tuple[int, int] | None = None  # window_size=(left, right)
     softcap: float = 0.0
     alibi: str | None = None         # ALiBi slopes of shape "heads" (H_q,) or "batch" (B, H_q)
+    sinks: bool = False              # a learned sink logit per query head (fused_attn.scores)
 
     @property
     def value_dim(self) -> int:
@@ -268,6 +276,25 @@ INTEGER_ALIGNMENT_CASES = {
     "negative_offset_hides_rows": Case(len_q=26, len_k=41, is_causal=True, causal_alignment=-9, softcap=2.0,
                                       alibi="batch"),
     "far_offset_window": Case(len_q=20, len_k=40, causal_alignment=1000, window=(990, -1), alibi="heads"),
+}
+
+
+# Attention sinks with the other features, on the long-query and decode paths: every backend's tests run them.
+SINK_CASES = {
+    "sinks_gqa_causal_window_lse_grad": Case(heads_q=4, heads_kv=2, len_q=45, len_k=70, is_causal=True,
+                                             causal_alignment="bottom_right", window=(30, -1), lse_grad=True,
+                                             sinks=True),
+    "sinks_softcap_alibi_dropout_padding": Case(len_q=37, len_k=53, softcap=3.0, alibi="batch", dropout_p=0.25,
+                                                key_padding=True, sinks=True),
+    "sinks_learned_bias_hidden_rows": Case(len_q=30, len_k=41, mask="additive", mask_shape="batch", mask_grad=True,
+                                           hidden_rows=True, lse_grad=True, sinks=True),
+    "sinks_integer_alignment_bool_mask": Case(len_q=26, len_k=41, is_causal=True, causal_alignment=-9,
+                                              mask="bool", mask_shape="heads_keys", dim_qk=24, dim_v=8, sinks=True),
+    "sinks_decode_gqa_padding": Case(len_q=1, len_k=700, heads_q=8, heads_kv=2, batch=1, key_padding=True,
+                                     sinks=True),
+    "sinks_decode_few_queries_hidden_rows": Case(len_q=5, len_k=300, heads_q=4, heads_kv=1, is_causal=True,
+                                                 causal_alignment="bottom_right", window=(100, 0), alibi="heads",
+                                                 mask="bool", mask_shape="batch", hidden_rows=True, sinks=True),
 }
 
 
@@ -335,12 +362,13 @@ class Inputs:
     key_padding_mask: torch.Tensor | None  # (B, L_k), True = ignore
     dropout_seed: int = 0                  # seeds the generator that dropout draws from
     alibi_slopes: torch.Tensor | None = None  # (H_q,) or (B, H_q) float32
+    sinks: torch.Tensor | None = None  # (H_q,) float32 (float64 for float64 inputs)
 
     def variant_keywords(self) -> dict:
         """The score variant as `attention`'s keywords."""
         case = self.case
         return dict(causal_alignment=case.causal_alignment, window_size=case.window,
-                    softcap=case.softcap or None, alibi_slopes=self.alibi_slopes)
+                    softcap=case.softcap or None, alibi_slopes=self.alibi_slopes, sinks=self.sinks)
 
     def variant(self) -> ScoreVariant:
         """The ScoreVariant the call makes of `variant_keywords()`."""
@@ -417,7 +445,12 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
     if case.alibi is not None:  # (H_q, B) storage, so a (B, H_q) view has no unit stride
         slopes = (torch.rand(case.heads_q, case.batch, generator=generator) * 0.5).to(device).t()
         slopes = slopes[0] if case.alibi == "heads" else slopes
-    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding, dropout_seed, slopes)
+    sinks = None
+    if case.sinks:  # around the scores' scale, some far above it (a row's weights then mostly go to the sink)
+        sinks = torch.randn(case.heads_q, generator=generator) * 2.0
+        sinks[0] += 4.0
+        sinks = sinks.to(device, lse_dtype(dtype))
+    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding, dropout_seed, slopes, sinks)
 
 
 def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
@@ -434,13 +467,17 @@ def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
 
 def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, float]]:
     """`assert_close_to_reference` of a backend's results on `inputs` (grad_lse included); for a case
-    with hidden rows also: there are such rows, and they have output 0, lse -inf and dq 0."""
-    report = assert_close_to_reference(actual, reference_for(inputs, torch.float64),
-                                       reference_for(inputs, inputs.dtype), inputs.dtype)
+    with hidden rows also: there are such rows, and they have output 0, lse -inf (with sinks: the sink)
+    and dq 0."""
+    exact = reference_for(inputs, torch.float64)
+    report = assert_close_to_reference(actual, exact, reference_for(inputs, inputs.dtype), inputs.dtype)
     if inputs.case.hidden_rows:
-        hidden = torch.isinf(actual.lse.detach().cpu())
+        no_key = torch.full_like(exact.lse, float("-inf"))
+        if inputs.sinks is not None:  # a row that sees no key has the sink alone in its softmax
+            no_key = inputs.sinks.detach().cpu().double().view(1, -1, 1).expand_as(exact.lse)
+        hidden = exact.lse == no_key
         assert hidden.any(), "the case was meant to have rows that see no key"
-        assert (actual.lse.detach().cpu()[hidden] == float("-inf")).all()
+        assert (actual.lse.detach().cpu().double()[hidden] == no_key[hidden]).all()
         assert (actual.out.detach().cpu()[hidden] == 0).all()
         if actual.grad_query is not None:
             assert (actual.grad_query.detach().cpu()[hidden] == 0).all()
@@ -466,7 +503,11 @@ def run_backend(backend, inputs: Inputs, out_layout: str | None = None) -> Resul
         assert grad.shape == like.shape and grad.dtype == like.dtype, name
     if grad_mask is not None:
         grad_mask = grad_mask.sum_to_size(inputs.attn_mask.shape)
-    return Results(out, lse, dq, dk, dv, grad_mask)
+    # The sinks' gradient comes from the call's results alone, the same for every backend.
+    grad_sinks = None
+    if variant.sinks is not None:
+        grad_sinks = sink_gradient(variant.sinks, lse, out, inputs.grad_out, inputs.grad_lse)
+    return Results(out, lse, dq, dk, dv, grad_mask, grad_sinks)
 
 
 def check_padding_is_not_read(backend, dtype: torch.dtype, generator, margin: int = 0,
@@ -501,16 +542,20 @@ def run_attention(inputs: Inputs, backend: str) -> Results:
     mask = inputs.attn_mask
     if case.mask_grad:
         mask = mask.detach().requires_grad_()
+    keywords = inputs.variant_keywords()
+    sinks = keywords["sinks"] = None if inputs.sinks is None else inputs.sinks.detach().requires_grad_()
     out, lse = attention(q, k, v, attn_mask=mask, is_causal=case.is_causal, scale=case.scale,
                          enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=inputs.key_padding_mask,
                          return_lse=True, backend=backend, dropout_p=case.dropout_p,
-                         generator=inputs.dropout_generator(), **inputs.variant_keywords())
+                         generator=inputs.dropout_generator(), **keywords)
     outputs, grads_in = [out], [inputs.grad_out]
     if inputs.grad_lse is not None:
         outputs.append(lse)
         grads_in.append(inputs.grad_lse)
-    grads = torch.autograd.grad(outputs, (q, k, v, mask) if case.mask_grad else (q, k, v), grads_in)
-    return Results(out.detach(), lse.detach(), *grads)
+    wrt = [q, k, v] + ([mask] if case.mask_grad else []) + ([sinks] if sinks is not None else [])
+    grads = list(torch.autograd.grad(outputs, wrt, grads_in))
+    return Results(out.detach(), lse.detach(), *grads[:3], grads[3] if case.mask_grad else None,
+                   grads[-1] if sinks is not None else None)
 
 
 def check_dropout_at_positions(backend, rows: tuple[int, int], keys: tuple[int, int], dtype: torch.dtype,

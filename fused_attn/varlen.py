@@ -25,13 +25,12 @@ import torch
 from torch import Tensor
 
 from .backends import registry
+from .checks import (_check_generator, _check_options, _check_tensor, _refuse_forward_mode_ad, assert_on_device,
+                     check_dtypes_and_devices)
 from .dropout import Dropout, check_rng, next_rng
-from .functional import (_check_generator, _check_options, _check_tensor, _refuse_forward_mode_ad,
-                         check_dtypes_and_devices)
-from .kvcache import assert_on_device
 from .ops import needs_op
 from .problem import Problem, lse_dtype
-from .scores import from_op_args, variant_of
+from .scores import from_op_args, sink_gradient, variant_of
 
 
 def _check_packed(query, key, value) -> None:
@@ -109,14 +108,14 @@ def _new_outputs(query, value) -> tuple[Tensor, Tensor]:
 
 def _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                     dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes,
-                    diagonal_shift):
+                    diagonal_shift, sinks=None):
     _check_op_args(query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_rng,
                    alibi_slopes)
     out, lse = _new_outputs(query, value)
     registry.get(backend).forward_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
         _dropout(dropout_p, dropout_rng),
-        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift))
+        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks))
     return out, lse
 
 
@@ -125,17 +124,17 @@ def varlen_fwd(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, 
                max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float, dropout_p: float,
                dropout_rng: Optional[Tensor], backend: str, window_left: int = -1, window_right: int = -1,
                bottom_right: bool = False, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-               diagonal_shift: int = 0) -> tuple[Tensor, Tensor]:
+               diagonal_shift: int = 0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Packed output (total_q, H_q, D_v) and log-sum-exp (H_q, total_q); max_seqlen -1: not given."""
     return _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                            scale, dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap,
-                           alibi_slopes, diagonal_shift)
+                           alibi_slopes, diagonal_shift, sinks)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                      dropout_p, dropout_rng, backend, window_left=-1, window_right=-1, bottom_right=False,
-                     softcap=0.0, alibi_slopes=None, diagonal_shift=0):
+                     softcap=0.0, alibi_slopes=None, diagonal_shift=0, sinks=None):
     return _new_outputs(query, value)
 
 
@@ -162,9 +161,10 @@ def _varlen_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seqlens
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p,
-     dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift) = inputs
+     dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
+     sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes)
+    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes, sinks)
     ctx.max_seqlens = max_seqlen_q, max_seqlen_k
     ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
     ctx.variant_args = (window_left, window_right, bottom_right, softcap)
@@ -173,13 +173,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes = ctx.saved_tensors
+    query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes, sinks = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = varlen_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
                        ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, *ctx.variant_args, alibi_slopes,
                        ctx.diagonal_shift)
-    return (*grads, *([None] * 15))
+    grad_sinks = None
+    if sinks is not None and ctx.needs_input_grad[18]:  # rows of (H_q, total_q), as the log-sum-exp
+        grad_sinks = sink_gradient(sinks, lse, out.transpose(0, 1), grad_out.transpose(0, 1), grad_lse, heads_dim=0)
+    return (*grads, *([None] * 15), grad_sinks)
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -187,7 +190,7 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      dropout_p=0.0, is_causal=False, scale=None, *, return_lse=False, backend=None, generator=None,
-                     causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None):
+                     causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None):
     """Attention over a packed batch of sequences of different lengths (no padding), with autograd.
 
     Args:
@@ -195,8 +198,9 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         key: (total_k, H_kv, D_qk); value: (total_k, H_kv, D_v). H_q a multiple of H_kv (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: int32 (or int64) (B + 1,): sequence b is tokens
             cu_seqlens[b] .. cu_seqlens[b + 1]; 0 first and the total last. Empty sequences are
-            allowed (a sequence without keys gives 0, lse -inf). Their values are checked on the
-            device (on a GPU, asynchronously: a device-side assertion ahead of the kernels).
+            allowed (a sequence without keys gives 0, lse -inf, or the sink with `sinks`). Their
+            values are checked on the device (on a GPU, asynchronously: a device-side assertion
+            ahead of the kernels).
         max_seqlen_q, max_seqlen_k: the longest sequence, or None. Given, they are checked on the
             device (asynchronously on a GPU), and the triton and cuda kernels' grid is made for them;
             omitted, those backends read them from the lengths (a host synchronisation on a GPU).
@@ -204,6 +208,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             `fused_attn.attention`, positions counted within each sequence ("bottom_right" aligns
             each sequence's last query with its last key; an integer alignment is not taken).
         alibi_slopes: float32 (H_q,) or (B, H_q), a row per sequence.
+        sinks: (H_q,), as in `fused_attn.attention`: the same sink logits for every sequence.
         return_lse: also return the log-sum-exp, (H_q, total_q) (as flash-attn), float32 (float64
             for float64 inputs).
         backend: a name from `available_backends()`; default automatic.
@@ -224,7 +229,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     batch, heads_q, heads_kv = cu_seqlens_q.shape[0] - 1, query.shape[1], key.shape[1]
     # The variant's keywords are checked against a (B, H_q) batch of sequences.
     variant = variant_of(query.new_empty((batch, heads_q, 0, 0)), causal_alignment, window_size, softcap,
-                         alibi_slopes)
+                         alibi_slopes, sinks)
     if variant.diagonal_shift:
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right' for a packed batch (each "
                          f"sequence has its own diagonal), got the offset {causal_alignment!r}")
@@ -238,7 +243,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     _refuse_forward_mode_ad(query=query, key=key, value=value)
     args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, is_causal, scale, float(dropout_p),
             dropout_rng, chosen.name, *variant.op_args())
-    fused = varlen_fwd if needs_op(query, key, value, variant.alibi_slopes) else _varlen_forward
+    fused = varlen_fwd if needs_op(query, key, value, variant.alibi_slopes, variant.sinks) else _varlen_forward
     out, lse = fused(*args)
     return (out, lse) if return_lse else out
 
@@ -255,7 +260,7 @@ def _packed_of(name: str, tensor) -> Tensor:
 
 def nested_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                      *, key_padding_mask=None, return_lse=False, backend=None, generator=None,
-                     causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None):
+                     causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None):
     """`fused_attn.attention` on jagged nested tensors: `attention_varlen` on their packed values."""
     packed = [_packed_of(name, t) for name, t in (("query", query), ("key", key), ("value", value))]
     for name, given in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
@@ -267,7 +272,7 @@ def nested_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     out, lse = attention_varlen(*packed, query.offsets(), key.offsets(), None, None, dropout_p, is_causal, scale,
                                 return_lse=True, backend=backend, generator=generator,
                                 causal_alignment=causal_alignment, window_size=window_size, softcap=softcap,
-                                alibi_slopes=alibi_slopes)
+                                alibi_slopes=alibi_slopes, sinks=sinks)
     # The query's own offsets: the output has its ragged size (adds to the query's residual stream).
     nested = torch.nested.nested_tensor_from_jagged(out, query.offsets()).transpose(1, 2)
     return (nested, lse) if return_lse else nested

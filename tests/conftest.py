@@ -18,6 +18,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# First: xdist's worker reads the xdist_group markers into the node ids (`--dist loadgroup`) in its own
+# pytest_collection_modifyitems, which would otherwise run before this one and see no marker at all.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "static_gpu_report" in getattr(item, "fixturenames", ()):
@@ -38,9 +41,12 @@ def generator():
 
 # The static GPU report compiles for minutes in a child process of its own. It starts as soon as the
 # collected tests are known to need it, so that it compiles beside the tests (mostly one busy thread,
-# the interpreter's) instead of after them. Under pytest-xdist every worker collects every test, and the
-# tests that read the report run in one worker (the `static_gpu_report` xdist_group, `--dist loadgroup`):
-# that worker starts it when the first of them asks, and the others never do.
+# the interpreter's) instead of after them. Under pytest-xdist every worker collects every test; the
+# tests that read the report are meant to run in one worker (the `static_gpu_report` xdist_group,
+# `--dist loadgroup`), but pytest 9.2 ignores the node ids xdist 3.8 rewrites for the groups
+# (pytest-dev/pytest-xdist#1386), and they spread over the workers. So the workers of one run share one
+# report: the first to ask makes it under a file lock and leaves it in the run's temporary directory,
+# where the others read it (the `static_gpu_report` fixture); the report compiles once per run.
 _pending_report = None
 STATIC_REPORT_GROUP = pytest.mark.xdist_group("static_gpu_report")
 
@@ -62,12 +68,28 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture(scope="session")
-def static_gpu_report():
+def static_gpu_report(request, tmp_path_factory):
     """`python -m bench.inspect --json` (every Triton and CUDA kernel compiled for sm_80 and sm_90),
-    run once per session in a child process: a bench.inspect.JsonRun."""
+    run once per test run in a child process: a bench.inspect.JsonRun. Under pytest-xdist the workers
+    share it through a file in the run's own temporary directory (xdist's recipe for session fixtures
+    run once), made by the first worker that asks while the others wait on its lock."""
     from bench import inspect
 
-    return (_pending_report or inspect.start_json()).result()
+    if not hasattr(request.config, "workerinput"):  # one process: this session is the run
+        return (_pending_report or inspect.start_json()).result()
+    import dataclasses
+    import json
+
+    from filelock import FileLock  # a dependency of torch
+
+    shared = tmp_path_factory.getbasetemp().parent  # the run's directory, parent of every worker's own
+    cached = shared / "static_gpu_report.json"
+    with FileLock(str(shared / "static_gpu_report.lock")):
+        if cached.exists():
+            return inspect.JsonRun(**json.loads(cached.read_text()))
+        report = inspect.start_json().result()
+        cached.write_text(json.dumps(dataclasses.asdict(report)))
+        return report
 
 
 @pytest.fixture(scope="session")

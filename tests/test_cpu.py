@@ -408,6 +408,32 @@ def test_score_variants_meet_criterion(generator, small_blocks, name, dtype, rot
     testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
 
 
+@pytest.mark.parametrize("rotation", [1, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(testing.SINK_CASES))
+def test_sinks_meet_criterion(generator, small_blocks, name, dtype, rotation):
+    """Attention sinks with the other features, forward and backward (the sinks' gradient included),
+    on the long-query and decode kernels."""
+    inputs = testing.random_inputs(testing.SINK_CASES[name], dtype, rotation, generator)
+    testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
+@pytest.mark.parametrize("name", ["sinks_gqa_causal_window_lse_grad", "sinks_decode_gqa_padding"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sink_gradient_deterministic_across_runs_and_thread_counts(generator, dtype, name):
+    inputs = testing.random_inputs(testing.SINK_CASES[name], dtype, 0, generator)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first, second = testing.run_attention(inputs, "cpu"), testing.run_attention(inputs, "cpu")
+        torch.set_num_threads(1)
+        single = testing.run_attention(inputs, "cpu")
+    finally:
+        torch.set_num_threads(threads)
+    for key, value in first.named().items():
+        assert torch.equal(value, second.named()[key]) and torch.equal(value, single.named()[key]), key
+
+
 # Few query rows (L_q <= 16) take the decode path: a key/value head's whole query group in one item
 # (test_no_keys_and_empty_batch covers it without keys).
 DECODE_CASES = {
@@ -433,11 +459,14 @@ def test_decode_path_meets_criterion(generator, small_blocks, name, dtype, rotat
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("len_k", [1100, 2100])
-def test_decode_splits_the_keys_of_a_lone_head(generator, dtype, len_k):
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_splits_the_keys_of_a_lone_head(generator, dtype, len_k, sinks):
     """One batch row and one key/value head on two threads: the keys are split (two or four ways) and
-    the partial results merged; with dropout, padding at both ends and a window."""
+    the partial results merged (the sinks joining once, in the merge); with dropout, padding at both
+    ends and a window."""
     case = testing.Case(batch=1, heads_q=3, heads_kv=1, len_q=2, len_k=len_k, dim_qk=32, key_padding=True,
-                        dropout_p=0.1, window=(len_k // 2, -1), causal_alignment="bottom_right", lse_grad=True)
+                        dropout_p=0.1, window=(len_k // 2, -1), causal_alignment="bottom_right", lse_grad=True,
+                        sinks=sinks)
     inputs = testing.random_inputs(case, dtype, 1, generator)
     threads = torch.get_num_threads()
     try:
@@ -471,7 +500,7 @@ def test_refusals():
     problem = fused_attn.problem.Problem.of(q, q, q, None, None, False, 0.1)
     assert backend.refusals(problem) == ["runs on CPU tensors only, got device meta"]
     assert backend.devices == ("cpu",) and backend.takes_dropout and backend.takes_mask_gradient
-    assert backend.takes_score_variants == {"bottom_right", "window", "softcap", "alibi"}
+    assert backend.takes_score_variants == {"bottom_right", "window", "softcap", "alibi", "sinks"}
 
 
 SHARED = torch.randn(2, 4, 6, 8)

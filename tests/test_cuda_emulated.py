@@ -25,7 +25,7 @@ from fused_attn.backends import registry
 from fused_attn.backends.extension import dropout_args
 from fused_attn.dropout import Dropout, peek_rng
 from fused_attn.problem import lse_dtype
-from fused_attn.scores import PLAIN, variant_of
+from fused_attn.scores import PLAIN, sink_gradient, variant_of
 
 import test_varlen as varlen_tests  # packed batches and their padded definition
 
@@ -129,6 +129,8 @@ class EmulatedBackend:
     def __init__(self, module):
         self.module = module
 
+    # The forwards take the whole variant (op_args: the sinks too), the backwards its score_args: the lse
+    # they are given holds the sinks.
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
                 variant=PLAIN):
         return self.module.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
@@ -137,8 +139,7 @@ class EmulatedBackend:
     def backward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
                  grad_lse, dropout=None, grad_mask=None, variant=PLAIN):
         return self.module.backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
-                                    grad_out, grad_lse, *dropout_args(dropout), grad_mask, *variant.op_args())
-
+                                    grad_out, grad_lse, *dropout_args(dropout), grad_mask, *variant.score_args())
 
     def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                        scale, out, lse, dropout=None, variant=PLAIN):
@@ -149,7 +150,7 @@ class EmulatedBackend:
                         scale, out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
         return self.module.backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                            is_causal, scale, out, lse, grad_out, grad_lse, *dropout_args(dropout),
-                                           *variant.op_args())
+                                           *variant.score_args())
 
 
 def run_emulated(module, inputs: testing.Inputs) -> testing.Results:
@@ -300,27 +301,32 @@ def run_emulated_varlen(module, inputs, dropout=None, max_seqlen=None, index_dty
                         backend=None) -> testing.Results:
     """attention_varlen's forward and backward of a test_varlen.Packed batch through a backend's
     `forward_varlen` / `backward_varlen` (the emulated glue by default), into a NaN-poisoned output and lse.
-    `max_seqlen`: the (max_seqlen_q, max_seqlen_k) given, default the longest sequences."""
+    `max_seqlen`: the (max_seqlen_q, max_seqlen_k) given, default the longest sequences. With the batch's
+    sinks, also their gradient (scores.sink_gradient of out and lse, as fused_attn.varlen computes it)."""
     backend = backend or EmulatedBackend(module)
     case = inputs.case
     device = inputs.query.device
     cu_q, cu_k = (varlen_tests.cumulative(lengths).to(device, index_dtype) for lengths in (case.lengths_q, case.keys))
     max_q, max_k = max_seqlen or (max(case.lengths_q), max(case.keys))
     variant = variant_of(inputs.query.new_empty((len(case.lengths_q), case.heads_q, 0, 0)), case.causal_alignment,
-                         case.window, case.softcap or None, inputs.alibi_slopes)
+                         case.window, case.softcap or None, inputs.alibi_slopes, inputs.sinks)
     total_q, dtype = inputs.query.shape[0], inputs.query.dtype
     out = torch.full((total_q, case.heads_q, case.dim_v), float("nan"), dtype=dtype, device=device)
     lse = torch.full((case.heads_q, total_q), float("nan"), dtype=lse_dtype(dtype), device=device)
     args = (inputs.query, inputs.key, inputs.value, cu_q, cu_k, max_q, max_k, case.is_causal, case.dim_qk ** -0.5)
     backend.forward_varlen(*args, out, lse, dropout, variant)
     grads = backend.backward_varlen(*args, out, lse, inputs.grad_out, inputs.grad_lse, dropout, variant)
-    return testing.Results(out, lse, *grads)
+    grad_sinks = None
+    if variant.sinks is not None:  # out and grad_out as (H_q, total_q, D_v), lse's rows
+        grad_sinks = sink_gradient(variant.sinks, lse, out.transpose(0, 1), inputs.grad_out.transpose(0, 1),
+                                   inputs.grad_lse, heads_dim=0)
+    return testing.Results(out, lse, *grads, grad_sinks=grad_sinks)
 
 
 # test_varlen's packed batches: empty sequences, sequences without keys, more queries than keys, GQA,
 # causal in both alignments, windows, softcap, ALiBi; a dtype and a rotation of the layouts each.
 VARLEN_RUNS = [pytest.param(name, DTYPES[i % len(DTYPES)], i, id=f"{name}-{str(DTYPES[i % len(DTYPES)])[6:]}",
-                            marks=[pytest.mark.slow] if name == "long_window" else [])
+                            marks=[pytest.mark.slow] if name in ("long_window", "sinks_window_softcap_alibi") else [])
                for i, name in enumerate(varlen_tests.CASES)]
 
 
@@ -328,17 +334,29 @@ VARLEN_RUNS = [pytest.param(name, DTYPES[i % len(DTYPES)], i, id=f"{name}-{str(D
 @pytest.mark.parametrize("name,dtype,rotation", VARLEN_RUNS)
 def test_emulated_varlen_matches_padded_definition(emulated, name, dtype, rotation, generator):
     """Forward and backward of a packed batch against its definition (test_varlen.reference_of: padded,
-    padding hidden, unpadded); a sequence without keys gives rows 0 and lse -inf."""
+    padding hidden, unpadded); a sequence without keys gives rows 0 and lse -inf (with sinks: the sink)."""
     inputs = varlen_tests.random_packed(varlen_tests.CASES[name], dtype, rotation, generator)
     actual = run_emulated_varlen(emulated, inputs)
     testing.assert_close_to_reference(actual, varlen_tests.reference_of(inputs, torch.float64),
                                       varlen_tests.reference_of(inputs, dtype), dtype)
-    case, start = inputs.case, 0
+    check_keyless_sequences(actual, inputs)
+
+
+def check_keyless_sequences(actual: testing.Results, inputs) -> int:
+    """The rows of the sequences without keys have output 0 and lse -inf, or sinks[h] with sinks; no lse is
+    NaN. Returns the number of such rows."""
+    case, start, keyless = inputs.case, 0, 0
+    no_key = torch.full((case.heads_q, 1), float("-inf"))
+    if inputs.sinks is not None:
+        no_key = inputs.sinks.detach().cpu().float()[:, None]
+    assert not torch.isnan(actual.lse).any()
     for n_q, n_k in zip(case.lengths_q, case.keys):
         if n_k == 0:
-            assert (actual.lse[:, start:start + n_q] == float("-inf")).all()
+            assert torch.equal(actual.lse[:, start:start + n_q].cpu(), no_key.expand(-1, n_q))
             assert (actual.out[start:start + n_q] == 0).all()
+            keyless += n_q
         start += n_q
+    return keyless
 
 
 @pytest.mark.emulated_cuda
@@ -524,6 +542,223 @@ def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
     assert done.stdout.count(": ok") == 7, done.stdout
 
 
+# ---- attention sinks --------------------------------------------------------------------------------
+
+def random_sinks(heads: int, generator, device="cpu") -> torch.Tensor:
+    """One logit per head, in turn: near a row's log-sum-exp (it dominates the rows that see few keys, not
+    the others), far above every row's (it dominates them all), -inf (as no sink)."""
+    sinks = torch.randn(heads, generator=generator) + 2.0
+    sinks[1::3] += 8.0
+    sinks[2::3] = float("-inf")
+    return sinks.to(device)
+
+
+def with_sinks(inputs: testing.Inputs, sinks: torch.Tensor | None = None, generator=None) -> testing.Inputs:
+    """`inputs` with `sinks`, or with random_sinks drawn from `generator`."""
+    if sinks is None:
+        sinks = random_sinks(inputs.case.heads_q, generator, inputs.query.device)
+    return dataclasses.replace(inputs, sinks=sinks.to(inputs.query.device))
+
+
+def rows_that_see_no_key(inputs: testing.Inputs) -> torch.Tensor:
+    """Bool (B, H_q, L_q): the rows whose log-sum-exp without the sinks is -inf (float64 reference)."""
+    no_sinks = dataclasses.replace(inputs, sinks=None)
+    return torch.isneginf(testing.reference_results(no_sinks.query, no_sinks.key, no_sinks.value, dtype=torch.float64,
+                                                    attn_mask=no_sinks.mask_view(),
+                                                    key_padding_mask=no_sinks.key_padding_mask,
+                                                    is_causal=no_sinks.case.is_causal, scale=no_sinks.case.scale,
+                                                    variant=no_sinks.variant()).lse)
+
+
+def check_with_sinks(actual: testing.Results, inputs: testing.Inputs) -> dict[str, tuple[float, float]]:
+    """testing.check_inputs (the criterion, for the sinks' gradient too where `actual` has one), and: no lse
+    is NaN; every row that sees no key (hidden_rows or not) has output 0, lse sinks[h] exactly (-inf under a
+    sink of -inf) and dq 0."""
+    report = testing.check_inputs(actual, inputs)
+    lse = actual.lse.detach().cpu()
+    assert not torch.isnan(lse).any()
+    hidden = rows_that_see_no_key(inputs)
+    sink_of_row = inputs.sinks.cpu().view(1, -1, 1).expand(lse.shape)
+    assert torch.equal(lse[hidden], sink_of_row[hidden])
+    assert (actual.out.detach().cpu()[hidden] == 0).all()
+    if actual.grad_query is not None:
+        assert (actual.grad_query.detach().cpu()[hidden] == 0).all()
+    return report
+
+
+# testing.SINK_CASES (every backend runs them; the decode ones run the decode forward here) with every
+# dtype; and these, one dtype each, with the sinks of random_sinks (near, dominating, -inf) per head.
+MIXED_SINK_CASES = {
+    "gqa_causal_lse_grad": Case(heads_q=4, heads_kv=2, len_q=37, len_k=45, dim_qk=24, is_causal=True, lse_grad=True),
+    "bottom_right_window_softcap_alibi_padding": Case(heads_q=3, heads_kv=1, len_q=30, len_k=52, is_causal=True,
+                                                      causal_alignment="bottom_right", window=(9, 2), softcap=2.5,
+                                                      alibi="batch", key_padding=True, dim_qk=32),
+    "learned_bias_padding_hidden_rows": Case(heads_q=3, heads_kv=1, len_q=29, len_k=40, mask="additive",
+                                             mask_shape="batch", mask_layout="transposed", mask_grad=True,
+                                             key_padding=True, hidden_rows=True),
+    "dropout_bool_mask_hidden_rows": Case(heads_q=3, heads_kv=3, len_q=33, len_k=33, dropout_p=0.3, mask="bool",
+                                          mask_shape="2d", mask_layout="sliced", hidden_rows=True, is_causal=True,
+                                          lse_grad=True),
+    "head_128_integer_alignment_window": Case(batch=1, heads_q=3, heads_kv=1, len_q=24, len_k=33, dim_qk=100,
+                                              dim_v=72, is_causal=True, causal_alignment=-5, window=(7, -1),
+                                              scale=0.3),
+}
+SINK_RUNS = [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}")
+             for name in testing.SINK_CASES for dtype in DTYPES]
+SINK_RUNS += [pytest.param(name, DTYPES[i % len(DTYPES)], id=f"{name}-{str(DTYPES[i % len(DTYPES)])[6:]}")
+              for i, name in enumerate(MIXED_SINK_CASES)]
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("name,dtype", SINK_RUNS)
+def test_emulated_sinks_match_reference(emulated, name, dtype, generator):
+    """Forward (the long-query kernel, or the decode kernels for few query rows) and backward with sinks,
+    each case in its own rotation of the layouts; the sinks' gradient (scores.sink_gradient of the
+    kernels' out and lse) too."""
+    cases = {**testing.SINK_CASES, **MIXED_SINK_CASES}
+    rotation = list(cases).index(name) % len(LAYOUTS)
+    inputs = testing.random_inputs(cases[name], dtype, rotation, generator)
+    if name in MIXED_SINK_CASES:
+        inputs = with_sinks(inputs, generator=generator)
+    decode = emulated.decode_splits(inputs.query, inputs.key, inputs.value, inputs.case.dropout_p,
+                                    *dropout_args(inputs.dropout())[1:])
+    assert (decode > 0) == (inputs.case.len_q <= 16 and inputs.case.dropout_p == 0.0), decode
+    actual = run_emulated(emulated, inputs)
+    assert actual.grad_sinks is not None
+    check_with_sinks(actual, inputs)
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_sink_dominates_some_rows(emulated, generator):
+    """Causal: a sink of 3 takes most of the weight of rows that see few keys and little of those that
+    see many; a sink of 12 takes nearly all of every row's."""
+    case = Case(heads_q=2, heads_kv=1, len_q=48, len_k=48, dim_qk=32, is_causal=True, lse_grad=True)
+    inputs = with_sinks(testing.random_inputs(case, torch.float16, 1, generator), torch.tensor([3.0, 12.0]))
+    actual = run_emulated(emulated, inputs)
+    check_with_sinks(actual, inputs)
+    weight = torch.exp(inputs.sinks.double().view(1, 2, 1) - testing.reference_for(inputs, torch.float64).lse)
+    assert (weight[:, 0] > 0.9).any() and (weight[:, 0] < 0.5).any()
+    assert (weight[:, 1] > 0.99).all()
+    assert (actual.out[:, 1].abs() < 1e-2).all()
+
+
+# The decode kernels with sinks (the combine kernel folds them in), forward only: every case of
+# DECODE_CASES with one dtype, the odd ones with three forced splits.
+SINK_DECODE_RUNS = [pytest.param(name, DTYPES[i % len(DTYPES)], "3" if i % 2 else None,
+                                 id=f"{name}-{str(DTYPES[i % len(DTYPES)])[6:]}{'-3' if i % 2 else ''}")
+                    for i, name in enumerate(DECODE_CASES)]
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("name,dtype,splits", SINK_DECODE_RUNS)
+def test_emulated_sinks_decode_kernels(emulated, name, dtype, splits, generator, monkeypatch):
+    if splits is not None:
+        monkeypatch.setenv("FUSED_ATTN_CUDA_DECODE_SPLITS", splits)
+    inputs = testing.random_inputs(DECODE_CASES[name], dtype, list(DECODE_CASES).index(name) % len(LAYOUTS),
+                                   generator)
+    inputs = with_sinks(inputs, generator=generator)
+    assert emulated.decode_splits(inputs.query, inputs.key, inputs.value) > 0
+    check_with_sinks(run_emulated_forward(emulated, inputs), inputs)
+
+
+SINK_VARLEN_CASES = ("causal_gqa_lse", "cross_bottom_right", "window_softcap_alibi")
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("name", SINK_VARLEN_CASES)
+def test_emulated_sinks_varlen(emulated, name, generator):
+    """Packed batches with the sinks of random_sinks (near, dominating, -inf per head): empty sequences,
+    sequences without keys (rows 0 with lse sinks[h]); the sinks' gradient too. (test_varlen's own sink
+    cases run in test_emulated_varlen_matches_padded_definition.)"""
+    index = SINK_VARLEN_CASES.index(name)
+    dtype = DTYPES[index % len(DTYPES)]
+    inputs = varlen_tests.random_packed(varlen_tests.CASES[name], dtype, index, generator)
+    inputs = dataclasses.replace(inputs, sinks=random_sinks(inputs.case.heads_q, generator))
+    actual = run_emulated_varlen(emulated, inputs)
+    assert actual.grad_sinks is not None
+    testing.assert_close_to_reference(actual, varlen_tests.reference_of(inputs, torch.float64),
+                                      varlen_tests.reference_of(inputs, dtype), dtype)
+    assert check_keyless_sequences(actual, inputs) or name != "cross_bottom_right"
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_sinks_of_minus_inf_change_nothing(emulated, generator):
+    """Sinks of -inf give, bit for bit, the results of no sinks: the long-query kernel (hidden rows: lse -inf,
+    out 0, no NaN, with dropout), the decode kernels and a packed batch."""
+    minus_inf = torch.full((3,), float("-inf"))
+    dense = Case(heads_q=3, heads_kv=1, len_q=27, len_k=35, mask="bool", key_padding=True, hidden_rows=True,
+                 dropout_p=0.2, is_causal=True, lse_grad=True, window=(10, -1))
+    decode = dataclasses.replace(DECODE_CASES["queries_over_keys_masks"], heads_q=3, heads_kv=1)
+    for case, run in ((dense, run_emulated), (decode, run_emulated_forward)):
+        inputs = testing.random_inputs(case, torch.float16, 3, generator)
+        expected = {name: value.clone() for name, value in run(emulated, inputs).named().items()}
+        with_minus_inf = with_sinks(dataclasses.replace(inputs, out=testing.nan_filled_like(inputs.out)), minus_inf)
+        actual = run(emulated, with_minus_inf)
+        for name, value in expected.items():
+            assert torch.equal(getattr(actual, name), value), (case, name)
+        assert torch.isneginf(actual.lse).any() and not torch.isnan(actual.lse).any()
+        check_with_sinks(actual, with_minus_inf)
+    keyless = varlen_tests.VarlenCase((3, 12, 5), (17, 0, 2), heads_q=2, heads_kv=1, is_causal=True,
+                                      causal_alignment="bottom_right", lse_grad=True)
+    packed = varlen_tests.random_packed(keyless, torch.bfloat16, 2, generator)
+    expected = run_emulated_varlen(emulated, packed)
+    actual = run_emulated_varlen(emulated, dataclasses.replace(packed, sinks=torch.full((packed.case.heads_q,),
+                                                                                        float("-inf"))))
+    for name, value in expected.named().items():
+        assert torch.equal(getattr(actual, name), value), name
+    assert (actual.grad_sinks == 0).all()
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("sinks, message", [
+    (torch.zeros(2, dtype=torch.float64), "sinks must be float32"),
+    (torch.zeros(2, dtype=torch.float16), "sinks must be float32"),
+    (torch.zeros(3), "sinks must have shape"),
+    (torch.zeros(1, 2), r"sinks must be \(H_q,\)"),
+    (torch.zeros(4)[::2], "sinks must be contiguous"),
+])
+def test_emulated_glue_rejects_bad_sinks(emulated, sinks, message):
+    q = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match=message):
+        emulated.forward(q, q, q, None, None, False, 0.25, torch.empty_like(q), sinks=sinks)
+    packed = torch.zeros(8, 2, 16)
+    bounds = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=message):
+        emulated.forward_varlen(packed, packed, packed, bounds, bounds, 8, 8, False, 0.25, torch.empty_like(packed),
+                                torch.empty(2, 8), 0.0, None, -1, -1, False, 0.0, None, 0, sinks)
+
+
+def test_backend_takes_sinks():
+    assert "sinks" in registry.get("cuda").takes_score_variants
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", [*testing.SINK_CASES, *MIXED_SINK_CASES, *DECODE_CASES])
+def test_cuda_sinks_match_reference(name, dtype, generator):
+    """The sink cases, and the decode cases with sinks, through `attention(..., sinks=)` (the sinks'
+    gradient through autograd)."""
+    cases = {**testing.SINK_CASES, **MIXED_SINK_CASES, **DECODE_CASES}
+    inputs = testing.random_inputs(cases[name], dtype, 1, generator, "cuda")
+    if name not in testing.SINK_CASES:
+        inputs = with_sinks(inputs, generator=generator)
+    check_with_sinks(testing.run_attention(inputs, "cuda"), inputs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", SINK_VARLEN_CASES)
+def test_cuda_sinks_varlen(name, generator):
+    dtype = torch.float16
+    inputs = varlen_tests.random_packed(varlen_tests.CASES[name], dtype, 1, generator)
+    inputs = dataclasses.replace(inputs, sinks=random_sinks(inputs.case.heads_q, generator))
+    on_gpu = varlen_tests.Packed(inputs.case, *(None if t is None else t.cuda() for t in (
+        inputs.query, inputs.key, inputs.value, inputs.grad_out, inputs.grad_lse, inputs.alibi_slopes, inputs.sinks)))
+    actual = run_emulated_varlen(None, on_gpu, backend=registry.get("cuda"))
+    testing.assert_close_to_reference(actual, varlen_tests.reference_of(inputs, torch.float64),
+                                      varlen_tests.reference_of(inputs, dtype), dtype)
+    check_keyless_sequences(actual, on_gpu)
+
+
 # ---- the backend's registration -------------------------------------------------------------------
 
 def test_backend_is_registered_after_triton():
@@ -576,7 +811,7 @@ def test_cuda_matches_reference(name, dtype, rotation, generator):
 def test_cuda_varlen_matches_padded_definition(name, dtype, generator):
     inputs = varlen_tests.random_packed(varlen_tests.CASES[name], dtype, 1, generator)
     on_gpu = varlen_tests.Packed(inputs.case, *(None if t is None else t.cuda() for t in (
-        inputs.query, inputs.key, inputs.value, inputs.grad_out, inputs.grad_lse, inputs.alibi_slopes)))
+        inputs.query, inputs.key, inputs.value, inputs.grad_out, inputs.grad_lse, inputs.alibi_slopes, inputs.sinks)))
     actual = run_emulated_varlen(None, on_gpu, backend=registry.get("cuda"))
     testing.assert_close_to_reference(actual, varlen_tests.reference_of(inputs, torch.float64),
                                       varlen_tests.reference_of(inputs, dtype), dtype)

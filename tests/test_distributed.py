@@ -92,6 +92,14 @@ CASES = {
                                                             is_causal=True, dropout_p=0.2, alibi="heads"),
         "contiguous_fp32_triton_causal_dropout_alibi": _case(10, "contiguous", torch.float32, 1, "triton",
                                                              is_causal=True, dropout_p=0.2, alibi="heads"),
+        # Sinks join each row once, after every rank's keys; their gradient summed over the ranks.
+        "zigzag_fp32_causal_sinks_gqa_padding_lse_grad": _case(20, "zigzag", torch.float32, 2, is_causal=True,
+                                                               sinks=True, heads_q=4, heads_kv=2, key_padding=True,
+                                                               lse_grad=True),
+        "contiguous_bf16_sinks_window_dropout_alibi": _case(18, "contiguous", torch.bfloat16, 3, window=(3, 4),
+                                                            sinks=True, dropout_p=0.2, alibi="heads"),
+        "zigzag_fp64_sinks_hidden_rows": _case(12, "zigzag", torch.float64, 4, key_padding=True, hidden_rows=True,
+                                               sinks=True),
     },
     4: {
         "zigzag_fp32_causal_gqa_padding_lse_grad": _case(24, "zigzag", torch.float32, 0, is_causal=True,
@@ -101,6 +109,8 @@ CASES = {
         "contiguous_fp32_window_both_sides": _case(36, "contiguous", torch.float32, 3, window=(4, 7)),
         "zigzag_fp32_causal_dropout_alibi_gqa": _case(24, "zigzag", torch.float32, 0, is_causal=True, dropout_p=0.2,
                                                       alibi="batch", heads_q=4, heads_kv=2, lse_grad=True),
+        "contiguous_fp32_causal_sinks_softcap": _case(20, "contiguous", torch.float32, 1, is_causal=True, sinks=True,
+                                                      softcap=2.0, lse_grad=True),
     },
 }
 
@@ -119,18 +129,27 @@ def _run_case(name: str, ring_case: RingCase, rank: int, out_dir: str) -> None:
         return None if tensor is None else distributed.shard(tensor, layout, dim=dim)
 
     q, k, v = (local(t).detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
+    keywords = inputs.variant_keywords()
+    wrt = [q, k, v]
+    if inputs.sinks is not None:
+        keywords["sinks"] = inputs.sinks.detach().requires_grad_()
+        wrt.append(keywords["sinks"])
     # Every rank's generator is seeded alike; rank 0's draw is the ring's seed, the reference's too.
     out, lse = distributed.ring_attention(
         q, k, v, is_causal=case.is_causal, layout=layout, scale=case.scale,
         enable_gqa=case.heads_q != case.heads_kv, key_padding_mask=local(inputs.key_padding_mask, dim=1),
         dropout_p=case.dropout_p, generator=inputs.dropout_generator(), return_lse=True,
-        backend=ring_case.backend, **inputs.variant_keywords())
+        backend=ring_case.backend, **keywords)
     outputs, grads_in = [out], [local(inputs.grad_out)]
     if inputs.grad_lse is not None:
         outputs.append(lse)
         grads_in.append(local(inputs.grad_lse))
-    grads = torch.autograd.grad(outputs, (q, k, v), grads_in)
-    gathered = [distributed.gather(t, layout) for t in (out, lse, *grads)]
+    grads = torch.autograd.grad(outputs, wrt, grads_in)
+    gathered = [distributed.gather(t, layout) for t in (out, lse, *grads[:3])]
+    if inputs.sinks is not None:  # each rank's share of a replicated parameter's gradient, summed
+        grad_sinks = grads[3].clone()
+        dist.all_reduce(grad_sinks)
+        gathered += [None, grad_sinks]
     if rank == 0:
         torch.save(gathered, os.path.join(out_dir, f"{name}.pt"))
 

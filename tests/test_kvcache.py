@@ -50,6 +50,8 @@ OPTIONS = {
     "window": dict(window_size=(5, -1)),
     "softcap_alibi": dict(softcap=3.0, alibi=True),
     "window_alibi": dict(window_size=(9, 0), alibi=True),
+    "sinks_softcap": dict(sinks=True, softcap=3.0),
+    "window_alibi_sinks": dict(window_size=(9, 0), alibi=True, sinks=True),
 }
 
 
@@ -65,6 +67,8 @@ def test_dense_cache_appends_in_place_and_attends(generator, dtype, len_q, len_n
     k_cache, v_cache = k_buffer.transpose(1, 2), v_buffer.transpose(1, 2)
     options = dict(OPTIONS[name])
     slopes = torch.rand(HEADS_Q, generator=generator) if options.pop("alibi", False) else None
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(HEADS_Q, generator=generator) * 2 + 1
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     for b, start in enumerate(lengths_before.tolist()):
         expected_k[b, :, start:start + len_new] = new_k[b]
@@ -124,8 +128,9 @@ def test_paged_cache_matches_the_dense_one(generator, backend, name):
     block_table[torch.arange(block_table.shape[1])[None, :] >= used[:, None]] = -1
     # ALiBi runs aligned to the buffer's end (fused_attn.kvcache), which costs precision in long buffers.
     slopes = torch.rand(batch, HEADS_Q, generator=generator) if capacity <= 200 else None
+    sinks = torch.randn(HEADS_Q, generator=generator) * 2 + 1
     options = dict(cache_seqlens=lengths_before, alibi_slopes=slopes, window_size=(6 * block_size, -1),
-                   softcap=4.0, return_lse=True, backend=backend)
+                   softcap=4.0, sinks=sinks, return_lse=True, backend=backend)
     paged = fused_attn.attention_with_kvcache(query, k_blocks, v_blocks, new_k, new_v, block_table=block_table,
                                               **options)
     dense = fused_attn.attention_with_kvcache(query, dense_k, dense_v, new_k, new_v, **options)
@@ -133,7 +138,7 @@ def test_paged_cache_matches_the_dense_one(generator, backend, name):
                                                 dict(rtol=2e-2, atol=2e-2)))
     lengths = lengths_before + len_q
     check(paged, query, dense_k, dense_v, lengths, is_causal=True, alibi_slopes=slopes, softcap=4.0,
-          window_size=(6 * block_size, -1))
+          window_size=(6 * block_size, -1), sinks=sinks)
     gathered = k_blocks[block_table.clamp(min=0).long()].flatten(1, 2).transpose(1, 2)
     for b, start in enumerate(lengths_before.tolist()):
         assert torch.equal(gathered[b, :, start:start + len_q], new_k[b])
@@ -166,6 +171,60 @@ def test_every_backend_gives_the_definition(generator, backend):
     check(actual, query, k_cache, v_cache, lengths_before + 2, is_causal=True, softcap=2.0)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("window_size", [(-1, 0), (4, 0)], ids=str)
+def test_alibi_with_a_causal_window_and_several_queries(generator, backend, paged, window_size):
+    """is_causal=False with a window of right bound 0 is causal (no key after a query is visible), so
+    ALiBi aligned to the cache's end is a shift of the scores there too: the call runs and gives the
+    definition (flash-attn's reference tests make such calls)."""
+    capacity, len_q, batch, block_size = 24, 3, 3, 4
+    lengths_before, query, new_k, new_v = random_case(generator, torch.float32, len_q, len_q, capacity, batch)
+    k_cache = torch.randn(batch, HEADS_KV, capacity, DIM, generator=generator)
+    v_cache = torch.randn(batch, HEADS_KV, capacity, DIM, generator=generator)
+    slopes = torch.rand(batch, HEADS_Q, generator=generator)
+    options = dict(cache_seqlens=lengths_before, is_causal=False, window_size=window_size, alibi_slopes=slopes,
+                   return_lse=True, backend=backend)
+    if paged:
+        k_blocks, v_blocks, block_table = paged_copy(generator, k_cache, v_cache, block_size)
+        actual = fused_attn.attention_with_kvcache(query, k_blocks, v_blocks, new_k, new_v, block_table=block_table,
+                                                   **options)
+    else:
+        actual = fused_attn.attention_with_kvcache(query, k_cache, v_cache, new_k, new_v, **options)
+    for b, start in enumerate(lengths_before.tolist()):
+        k_cache[b, :, start:start + len_q] = new_k[b]
+        v_cache[b, :, start:start + len_q] = new_v[b]
+    check(actual, query, k_cache, v_cache, lengths_before + len_q, window_size=window_size, alibi_slopes=slopes)
+    # The same call as is_causal=True (the flag adds nothing to a band that is causal already).
+    causal = dict(options, cache_seqlens=lengths_before + len_q, is_causal=True)
+    if paged:
+        again = fused_attn.attention_with_kvcache(query, k_blocks, v_blocks, block_table=block_table, **causal)
+    else:
+        again = fused_attn.attention_with_kvcache(query, k_cache, v_cache, **causal)
+    torch.testing.assert_close(again, actual, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("window_size", [None, (-1, -1), (4, -1), (4, 1), (-1, 2)], ids=str)
+def test_alibi_with_keys_after_a_query_is_still_refused(generator, paged, window_size):
+    """Several queries that may see keys after them (is_causal=False and no window of right bound 0):
+    ALiBi aligned to the cache's end would not be a shift of the scores, and the call is refused."""
+    lengths_before, query, new_k, new_v = random_case(generator, torch.float32, 3, 3, 24, batch=2)
+    k_cache = torch.randn(2, HEADS_KV, 24, DIM, generator=generator)
+    v_cache = torch.randn(2, HEADS_KV, 24, DIM, generator=generator)
+    caches = paged_copy(generator, k_cache, v_cache, 4) if paged else (k_cache, v_cache, None)
+    for backend in ("cpu", "reference"):
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            fused_attn.attention_with_kvcache(query, caches[0], caches[1], new_k, new_v, block_table=caches[2],
+                                              cache_seqlens=lengths_before, is_causal=False,
+                                              window_size=window_size, alibi_slopes=torch.rand(HEADS_Q),
+                                              backend=backend)
+    # One query sees no key after it (its sequence ends there): that call runs, whatever the window.
+    fused_attn.attention_with_kvcache(query[:, :, :1], caches[0], caches[1], block_table=caches[2],
+                                      cache_seqlens=lengths_before + 3, is_causal=False, window_size=window_size,
+                                      alibi_slopes=torch.rand(HEADS_Q), backend="cpu")
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(cache_seqlens=torch.zeros(4, dtype=torch.int64)), ValueError, "cache_seqlens"),
     (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_seqlens"),
@@ -175,6 +234,7 @@ def test_every_backend_gives_the_definition(generator, backend):
     (dict(k_cache=torch.zeros(4, HEADS_KV, 30)), ValueError, "k_cache"),
     (dict(block_table=torch.zeros(4, 3, dtype=torch.int64)), ValueError, "block_table"),
     (dict(is_causal=False, alibi_slopes=torch.ones(HEADS_Q)), ValueError, "alibi_slopes"),
+    (dict(is_causal=False, window_size=(5, 1), alibi_slopes=torch.ones(HEADS_Q)), ValueError, "alibi_slopes"),
 ])
 def test_bad_arguments_are_named(change, error, message):
     arguments = dict(query=torch.zeros(4, HEADS_Q, 3, DIM), k_cache=torch.zeros(4, HEADS_KV, 30, DIM),

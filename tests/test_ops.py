@@ -134,3 +134,38 @@ def test_the_op_is_skipped_only_where_it_has_nothing_to_do(monkeypatch):
     with torch.no_grad():
         fused_attn.attention(torch.nn.Parameter(k), k, v, backend="reference")
     assert entered == ["reference", "reference"]
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_opcheck_with_sinks(backend):
+    """Sinks (the op's last argument) through the op, its fake kernel and its autograd."""
+    if "sinks" not in registry.get(backend).takes_score_variants:
+        pytest.skip(f"{backend} does not take sinks")
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    for args, description in sample_inputs():
+        if args[7] > 0.0 and not registry.get(backend).takes_dropout:
+            continue
+        torch.library.opcheck(ops.attention_fwd, (*args, backend, -1, -1, False, 0.0, None, 0, sinks))
+
+
+def test_compiled_split_heads_with_sinks_has_no_graph_breaks():
+    """A gpt-oss-like layer, the sinks a learned parameter: compiled, the same values and gradients."""
+    def layer(x, weight, sinks):
+        q, k, v = torch.nn.functional.linear(x, weight).chunk(3, dim=-1)
+        return fused_attn.split_heads_attention(q, k, v, num_heads=2, is_causal=True, sinks=sinks).sum(-1)
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(24, 8, generator=generator, requires_grad=True)
+    sinks = torch.randn(2, generator=generator, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    expected = layer(x, weight, sinks)
+    got = compiled(x, weight, sinks)
+    torch.testing.assert_close(got, expected)
+    grads = torch.autograd.grad(got.sum(), (x, weight, sinks))
+    expected_grads = torch.autograd.grad(expected.sum(), (x, weight, sinks))
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
+    reference = fused_attn.split_heads_attention(*torch.nn.functional.linear(x, weight).chunk(3, dim=-1),
+                                                 num_heads=2, is_causal=True, sinks=sinks, backend="reference")
+    torch.testing.assert_close(got, reference.sum(-1))

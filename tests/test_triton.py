@@ -16,6 +16,8 @@ kernel source stays exactly what the GPU compiles.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,9 @@ import torch
 import fused_attn
 from fused_attn import testing
 from fused_attn.backends import registry
+from fused_attn.backends.reference import ReferenceBackend
+from fused_attn.problem import lse_dtype
+from fused_attn.scores import ScoreVariant, sink_gradient
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -387,6 +392,261 @@ def test_bf16_conversion_without_remedy_truncates_in_the_interpreter(bf16_dot_re
     if unpatched == 1 + 2.0 ** -7:
         pytest.skip("this Triton's interpreter rounds fp32 -> bf16 to nearest; the remedy is no longer needed")
     assert unpatched == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention sinks (fused_attn.scores): folded into the forward's log-sum-exp, once per row
+# ---------------------------------------------------------------------------------------------------
+
+def sink_inputs(case: Case, dtype, rotation: int, generator) -> testing.Inputs:
+    """`make_inputs` of the case with sinks, large enough to matter: testing's (randn * 2, head 0 raised),
+    head 0's set to 9 (its rows' weights go mostly to the sink: their lse without it is near log L_k) and, in
+    a case with hidden rows, the last head's to -inf (no sink: those rows keep lse -inf)."""
+    inputs = make_inputs(dataclasses.replace(case, sinks=True), dtype, rotation, generator)
+    inputs.sinks[0] = 9.0
+    if case.hidden_rows and case.heads_q > 1:
+        inputs.sinks[-1] = float("-inf")
+    return inputs
+
+
+def check_sinks(results: testing.Results, inputs: testing.Inputs) -> None:
+    """`testing.check_inputs` (the sinks' gradient included), no NaN anywhere, and the head whose sink
+    dominates: the sink takes most of its rows' weight."""
+    testing.check_inputs(results, inputs)
+    assert results.grad_sinks is not None
+    for name, value in results.named().items():
+        assert not torch.isnan(value.detach().cpu()).any(), name
+    lse, sinks = results.lse.detach().cpu(), inputs.sinks.cpu()
+    seen = lse[:, 0] != sinks[0]  # head 0's rows that see keys (a row that sees none has lse = the sink)
+    assert (torch.exp(sinks[0] - lse[:, 0][seen]) > 0.5).all()
+
+
+# Sinks with every feature of the long-query kernels: causal both ways, windows, softcap, ALiBi, bool and
+# additive masks, key padding, dropout, learned biases, GQA, rows that see no key (testing.SINK_CASES, which
+# every backend runs, and more); the decode cases there run the split-KV kernels.
+SINK_CASES = {
+    **testing.SINK_CASES,
+    "sinks_top_left_causal_gqa": Case(heads_q=4, heads_kv=2, is_causal=True, lse_grad=True),
+    "sinks_bottom_right_hides_rows": Case(len_q=50, len_k=19, is_causal=True, causal_alignment="bottom_right",
+                                          hidden_rows=True, dim_qk=24, dim_v=8),
+    "sinks_bool_mask_padding_hidden_rows": Case(hidden_rows=True, mask="bool", is_causal=True, key_padding=True),
+    "sinks_everything": VARIANT_CASES["everything"],
+}
+# Each case once per dtype, small tiles for fp32 and bf16 (rotations 0 and 2), the default ones for fp16.
+SINK_RUNS = [pytest.param(dtype, rotation, id=f"{dtype_id}-{rotation}")
+             for dtype, dtype_id, rotation in zip(DTYPES, DTYPE_IDS, (1, 2, 0))]
+
+
+@pytest.mark.parametrize("dtype,rotation", SINK_RUNS)
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_sinks_match_reference(name, dtype, rotation, generator):
+    inputs = sink_inputs(SINK_CASES[name], dtype, rotation, generator)
+    with tk.forced_configs(**_tiles(rotation)):
+        results = run_backend(inputs)
+    check_sinks(results, inputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", ["few_queries_bottom_right_window", "queries_over_keys_masks",
+                                  "bool_mask_mqa_odd_dims"])
+def test_sinks_in_decode_kernels_fold_once(name, dtype, generator, monkeypatch):
+    """The split-KV forward, in three splits (some empty under the window or the masks): the sink joins in
+    the combine, once per row; the backward runs the long-query kernels on its lse. (One query with GQA:
+    testing.SINK_CASES's decode case, in the splits of the problem.)"""
+    from fused_attn.backends import triton_decode
+
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
+    inputs = sink_inputs(DECODE_CASES[name], dtype, 3, generator)
+    assert triton_decode.takes(inputs.query, inputs.key, inputs.value, None)
+    combines = []
+    combine = triton_decode.combine_args
+
+    def recording(*args):
+        args, constexprs = combine(*args)
+        combines.append(constexprs["HAS_SINKS"])
+        return args, constexprs
+
+    monkeypatch.setattr(triton_decode, "combine_args", recording)
+    results = run_backend(inputs)
+    assert combines == [True]
+    check_sinks(results, inputs)
+
+
+def test_sinks_of_minus_inf_are_no_sinks(generator):
+    """A sink of -inf on every head gives the results of the call without sinks, bit for bit (rows that see
+    no key keep output 0 and lse -inf, no NaN), in the long-query and the decode kernels."""
+    for case in (Case(hidden_rows=True, mask="bool", key_padding=True, len_q=20, len_k=30),
+                 Case(hidden_rows=True, mask="additive", mask_shape="batch", len_q=3, len_k=70)):
+        inputs = sink_inputs(case, torch.float32, 0, generator)
+        inputs.sinks.fill_(float("-inf"))
+        with tk.forced_configs(**SMALL_TILES):
+            with_sinks, plain = run_backend(inputs), run_backend(dataclasses.replace(inputs, sinks=None))
+        for name, value in plain.named().items():
+            assert torch.equal(getattr(with_sinks, name), value), name
+        assert torch.isinf(plain.lse).any()
+        assert torch.equal(with_sinks.grad_sinks, torch.zeros_like(inputs.sinks))
+
+
+def _packed_sequences(generator, dtype, lengths_q, lengths_k, heads_q, heads_kv, dim):
+    """Packed (total, H, D) query, key, value and grad_out (key and grad_out slices of wider tensors) and the
+    cumulative lengths."""
+    def cumulative(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+
+    def draw(total, heads, sliced):
+        values = torch.randn(total, heads, dim, generator=generator).to(dtype).to(DEVICE)
+        if not sliced:
+            return values
+        wide = torch.full((total, heads, dim + 3), float("nan"), dtype=dtype, device=DEVICE)
+        wide[..., 2:2 + dim] = values
+        return wide[..., 2:2 + dim]
+
+    total_q, total_k = sum(lengths_q), sum(lengths_k)
+    return (draw(total_q, heads_q, False), draw(total_k, heads_kv, True), draw(total_k, heads_kv, False),
+            draw(total_q, heads_q, True), cumulative(lengths_q), cumulative(lengths_k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sinks_in_packed_batches(dtype, generator):
+    """`forward_varlen` / `backward_varlen` with sinks (one launch per kernel for the batch; fused_attn.varlen
+    does not pass sinks yet): against the reference backend's varlen path in float64 and in the dtype, the
+    sinks' gradient from each one's results. Sequences without queries, without keys (their rows: output 0,
+    lse the sink) and with more queries than keys (bottom-right: rows that see none)."""
+    lengths_q, lengths_k, heads_q, heads_kv, dim = (5, 0, 33, 9, 12), (17, 4, 21, 0, 30), 4, 2, 16
+    oracle = ReferenceBackend()
+    query, key, value, grad_out, cu_q, cu_k = _packed_sequences(generator, dtype, lengths_q, lengths_k, heads_q,
+                                                                heads_kv, dim)
+    grad_lse = torch.randn(sum(lengths_q), heads_q, generator=generator).to(DEVICE).t()
+    sinks = torch.randn(heads_q, generator=generator) * 2
+    sinks[0] = 9.0
+    slopes = torch.rand(len(lengths_q), heads_q, generator=generator)
+    variant = ScoreVariant(bottom_right=True, window_left=11, window_right=2, softcap=3.0,
+                           alibi_slopes=slopes.to(DEVICE), sinks=sinks.to(DEVICE))
+
+    def run(backend, dtype_run, device):
+        q, k, v, g = (t.detach().to(device, dtype_run) for t in (query, key, value, grad_out))
+        g_lse = grad_lse.to(device, lse_dtype(dtype_run))
+        run_variant = dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes.to(device),
+                                          sinks=variant.sinks.to(device))
+        bounds = (cu_q.to(device), cu_k.to(device), max(lengths_q), max(lengths_k))
+        out = torch.full((q.shape[0], heads_q, dim), float("nan"), dtype=dtype_run, device=device)
+        lse = torch.full((heads_q, q.shape[0]), float("nan"), dtype=lse_dtype(dtype_run), device=device)
+        backend.forward_varlen(q, k, v, *bounds, True, 0.3, out, lse, None, run_variant)
+        grads = backend.backward_varlen(q, k, v, *bounds, True, 0.3, out, lse, g, g_lse, None, run_variant)
+        grad_sinks = sink_gradient(run_variant.sinks, lse, out.transpose(0, 1), g.transpose(0, 1), g_lse,
+                                   heads_dim=0)
+        return testing.Results(out, lse, *grads, grad_sinks=grad_sinks)
+
+    with tk.forced_configs(**SMALL_TILES):
+        actual = run(BACKEND, dtype, DEVICE)
+    exact = run(oracle, torch.float64, "cpu")
+    testing.assert_close_to_reference(actual, exact, run(oracle, dtype, "cpu"), dtype)
+    hidden = exact.lse == sinks.double()[:, None]
+    assert hidden.any() and (actual.out.cpu().transpose(0, 1)[hidden] == 0).all()
+    assert (actual.lse.cpu()[hidden] == sinks[:, None].expand_as(hidden)[hidden]).all()
+
+
+@pytest.mark.parametrize("len_q", [3, 20], ids=["decode", "long_query"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sinks_in_paged_caches(len_q, dtype, generator, monkeypatch):
+    """`forward_paged` with sinks through a shuffled block table (fused_attn.kvcache does not pass sinks
+    yet), by the decode kernels (L_q = 3, three splits) and the long-query one (L_q = 20): against the
+    reference backend on the gathered blocks; an empty cache's rows get output 0 and lse the sink."""
+    from fused_attn.backends import triton_decode
+
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
+    batch, heads_q, heads_kv, dim, block_size, max_blocks = 3, 4, 2, 16, 5, 9
+    num_blocks = batch * max_blocks + 4
+    query = torch.randn(batch, heads_q, len_q, dim, generator=generator).to(dtype).to(DEVICE)
+    k_blocks, v_blocks = (torch.randn(num_blocks, block_size, heads_kv, dim, generator=generator).to(dtype).to(DEVICE)
+                          for _ in range(2))
+    table = torch.randperm(num_blocks, generator=generator)[:batch * max_blocks].view(batch, max_blocks).int()
+    lengths = torch.tensor([0, 23, max_blocks * block_size])
+    padding = torch.arange(max_blocks * block_size)[None, :] >= lengths[:, None]
+    sinks = torch.randn(heads_q, generator=generator) * 2
+    sinks[0] = 9.0
+    variant = ScoreVariant(softcap=4.0, alibi_slopes=torch.rand(batch, heads_q, generator=generator), sinks=sinks)
+    blocks = tk.block_major(k_blocks)
+    assert triton_decode.takes(query, blocks, blocks, None, max_blocks * block_size) == (len_q == 3)
+
+    def run(backend, dtype_run, device):
+        out = torch.full((batch, heads_q, len_q, dim), float("nan"), dtype=dtype_run, device=device)
+        run_variant = dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes.to(device),
+                                          sinks=variant.sinks.to(device))
+        lse = backend.forward_paged(*(t.to(device, dtype_run) for t in (query, k_blocks, v_blocks)), table.to(device),
+                                    None, padding.to(device), False, 0.25, out, run_variant)
+        return testing.Results(out, lse)
+
+    with tk.forced_configs(**SMALL_TILES):
+        actual = run(BACKEND, dtype, DEVICE)
+    testing.assert_close_to_reference(actual, run(ReferenceBackend(), torch.float64, "cpu"),
+                                      run(ReferenceBackend(), dtype, "cpu"), dtype)
+    assert (actual.out[0] == 0).all()
+    assert (actual.lse[0].cpu() == sinks[:, None].expand(heads_q, len_q)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_public_varlen_and_kvcache_take_sinks(dtype, generator):
+    """`attention_varlen` (sinks requiring grad) and a paged `attention_with_kvcache` with sinks, backend
+    "triton" against "reference" in float64 and in the dtype by the criterion."""
+    # attention_varlen: the sinks' gradient through its autograd (sequences without keys: the test above).
+    lengths_q, lengths_k, heads_q, heads_kv, dim = (7, 0, 26), (19, 5, 11), 4, 2, 16
+    query, key, value, grad_out, cu_q, cu_k = _packed_sequences(generator, dtype, lengths_q, lengths_k, heads_q,
+                                                                heads_kv, dim)
+    sinks = torch.randn(heads_q, generator=generator) * 2
+    sinks[0] = 9.0
+
+    def varlen(backend, dtype_run, device):
+        q, k, v = (t.detach().to(device, dtype_run).requires_grad_() for t in (query, key, value))
+        s = sinks.to(device, lse_dtype(dtype_run)).requires_grad_()
+        out, lse = fused_attn.attention_varlen(q, k, v, cu_q.to(device), cu_k.to(device), is_causal=True,
+                                               causal_alignment="bottom_right", window_size=(8, -1), sinks=s,
+                                               return_lse=True, backend=backend)
+        grads = torch.autograd.grad(out, (q, k, v, s), grad_out.to(device, dtype_run))
+        return testing.Results(out.detach(), lse.detach(), *grads[:3], grad_sinks=grads[3])
+
+    with tk.forced_configs(**SMALL_TILES):
+        actual = varlen("triton", dtype, DEVICE)
+    testing.assert_close_to_reference(actual, varlen("reference", torch.float64, "cpu"),
+                                      varlen("reference", dtype, "cpu"), dtype)
+
+    # A paged cache, two queries per sequence (the decode kernels), one sequence empty before the call.
+    batch, block_size, max_blocks = 3, 4, 6
+    k_blocks, v_blocks = (torch.randn(batch * max_blocks, block_size, heads_kv, dim, generator=generator).to(dtype)
+                          for _ in range(2))
+    table = torch.randperm(batch * max_blocks, generator=generator).view(batch, max_blocks).int()
+    lengths = torch.tensor([0, 9, 22], dtype=torch.int32)
+    q = torch.randn(batch, heads_q, 2, dim, generator=generator).to(dtype)
+    new_k, new_v = (torch.randn(batch, heads_kv, 2, dim, generator=generator).to(dtype) for _ in range(2))
+
+    def kvcache(backend, dtype_run, device):
+        blocks = [t.to(device, dtype_run).clone() for t in (k_blocks, v_blocks)]
+        out, lse = fused_attn.attention_with_kvcache(
+            q.to(device, dtype_run), *blocks, new_k.to(device, dtype_run), new_v.to(device, dtype_run),
+            cache_seqlens=lengths.to(device), block_table=table.to(device), softcap=3.0,
+            sinks=sinks.to(device, lse_dtype(dtype_run)), return_lse=True, backend=backend)
+        return testing.Results(out, lse)
+
+    actual = kvcache("triton", dtype, DEVICE)
+    testing.assert_close_to_reference(actual, kvcache("reference", torch.float64, "cpu"),
+                                      kvcache("reference", dtype, "cpu"), dtype)
+
+
+PUBLIC_SINK_CASES = {
+    "long_query": SINK_CASES["sinks_top_left_causal_gqa"],
+    "decode": Case(len_q=1, len_k=90, heads_q=4, heads_kv=2, key_padding=True, lse_grad=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(PUBLIC_SINK_CASES))
+def test_public_attention_sinks_require_grad(name, dtype, generator):
+    """fused_attn.attention(..., sinks=s, backend="triton") with s requiring grad: the registered ops and
+    their autograd give the sinks' gradient beside dq, dk, dv (the decode case runs the split-KV forward)."""
+    inputs = sink_inputs(PUBLIC_SINK_CASES[name], dtype, 2, generator)
+    with tk.forced_configs(**SMALL_TILES):
+        results = testing.run_attention(inputs, "triton")
+    check_sinks(results, inputs)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import fused_attn
 from fused_attn import testing
 from fused_attn.backends import registry
 from fused_attn.dropout import Dropout, peek_rng, shifted_rng
-from fused_attn.problem import Problem
+from fused_attn.problem import Problem, lse_dtype
 from fused_attn.scores import variant_of
 from fused_attn.varlen import varlen_fwd
 
@@ -47,6 +47,7 @@ class VarlenCase:
     softcap: float = 0.0
     alibi: bool = False
     lse_grad: bool = False
+    sinks: bool = False
 
     @property
     def keys(self) -> tuple[int, ...]:
@@ -64,6 +65,9 @@ CASES = {
                                        window=(6, 2), softcap=4.0, alibi=True, lse_grad=True),
     "long_window": VarlenCase((150, 2, 71), window=(20, 33), alibi=True, heads_kv=4, dim_qk=24),
     "long_keys": VarlenCase((9, 130), (530, 140), softcap=2.5, heads_kv=1, lse_grad=True),
+    "sinks_causal_empty_keys": VarlenCase((5, 3, 40, 9), (5, 0, 40, 12), is_causal=True,
+                                          causal_alignment="bottom_right", lse_grad=True, sinks=True),
+    "sinks_window_softcap_alibi": VarlenCase((150, 2, 71), window=(20, 33), softcap=3.0, alibi=True, sinks=True),
 }
 
 # Packed (total, H, D) tensors in their own layouts: contiguous, head-major storage, a slice of a
@@ -94,11 +98,12 @@ class Packed:
     grad_out: torch.Tensor
     grad_lse: torch.Tensor | None
     alibi_slopes: torch.Tensor | None
+    sinks: torch.Tensor | None = None
 
     def keywords(self) -> dict:
         case = self.case
         return dict(is_causal=case.is_causal, causal_alignment=case.causal_alignment, window_size=case.window,
-                    softcap=case.softcap or None, alibi_slopes=self.alibi_slopes)
+                    softcap=case.softcap or None, alibi_slopes=self.alibi_slopes, sinks=self.sinks)
 
 
 def random_packed(case: VarlenCase, dtype, rotation: int, generator) -> Packed:
@@ -114,7 +119,8 @@ def random_packed(case: VarlenCase, dtype, rotation: int, generator) -> Packed:
     grad_out = draw(total_q, case.heads_q, case.dim_v, layouts[3])
     grad_lse = torch.randn(total_q, case.heads_q, generator=generator).t() if case.lse_grad else None
     slopes = torch.rand(case.heads_q, len(case.lengths_q), generator=generator).t() if case.alibi else None
-    return Packed(case, query, key, value, grad_out, grad_lse, slopes)
+    sinks = (torch.randn(case.heads_q, generator=generator) * 2 + 1).to(lse_dtype(dtype)) if case.sinks else None
+    return Packed(case, query, key, value, grad_out, grad_lse, slopes, sinks)
 
 
 def padded_positions(lengths, width: int, left: bool) -> list[torch.Tensor]:
@@ -153,12 +159,14 @@ def reference_of(inputs: Packed, dtype) -> testing.Results:
     grad_lse = None
     if inputs.grad_lse is not None:
         grad_lse = pad(inputs.grad_lse.t()[:, :, None], case.lengths_q, rows, width_q)[..., 0]
-    variant = variant_of(q, case.causal_alignment, case.window, case.softcap or None, inputs.alibi_slopes)
+    variant = variant_of(q, case.causal_alignment, case.window, case.softcap or None, inputs.alibi_slopes,
+                         inputs.sinks)
     results = testing.reference_results(q, k, v, grad_out, dtype=dtype, key_padding_mask=padding,
                                         is_causal=case.is_causal, grad_lse=grad_lse, variant=variant)
+    # The padded rows have no gradient flowing in: the sinks' gradient is the packed rows' alone.
     return testing.Results(unpad(results.out, rows), unpad(results.lse[..., None], rows)[..., 0].t(),
                            unpad(results.grad_query, rows), unpad(results.grad_key, columns),
-                           unpad(results.grad_value, columns))
+                           unpad(results.grad_value, columns), grad_sinks=results.grad_sinks)
 
 
 def run_varlen(inputs: Packed, backend: str, strided_bounds: bool = False) -> testing.Results:
@@ -173,13 +181,18 @@ def run_varlen(inputs: Packed, backend: str, strided_bounds: bool = False) -> te
     keywords = inputs.keywords()
     if keywords["alibi_slopes"] is not None:
         keywords["alibi_slopes"] = keywords["alibi_slopes"].to(device)
+    wrt = [q, k, v]
+    if keywords["sinks"] is not None:
+        keywords["sinks"] = keywords["sinks"].detach().to(device).requires_grad_()
+        wrt.append(keywords["sinks"])
     out, lse = fused_attn.attention_varlen(q, k, v, *bounds, max(case.lengths_q), max(case.keys), return_lse=True,
                                            backend=backend, **keywords)
     outputs, grads_in = [out], [inputs.grad_out.to(device)]
     if inputs.grad_lse is not None:
         outputs.append(lse)
         grads_in.append(inputs.grad_lse.to(device))
-    return testing.Results(out.detach(), lse.detach(), *torch.autograd.grad(outputs, (q, k, v), grads_in))
+    grads = torch.autograd.grad(outputs, wrt, grads_in)
+    return testing.Results(out.detach(), lse.detach(), *grads[:3], grad_sinks=grads[3] if len(grads) > 3 else None)
 
 
 DTYPE_ROTATIONS = [(torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2), (torch.float64, 0)]
@@ -197,13 +210,17 @@ def test_matches_padded_definition(generator, backend, name, dtype, rotation, re
     actual = run_varlen(inputs, backend)
     testing.assert_close_to_reference(actual, reference_of(inputs, torch.float64), reference_of(inputs, dtype),
                                       dtype)
-    # A sequence without keys: rows 0, lse -inf; the bounds of other sequences are never crossed.
+    # A sequence without keys: rows 0, lse -inf (with sinks: the sink); the bounds of other sequences are
+    # never crossed.
     lse = actual.lse
     assert not torch.isnan(lse).any()
+    no_key = torch.full((lse.shape[0], 1), float("-inf"), dtype=lse.dtype)
+    if inputs.sinks is not None:
+        no_key = inputs.sinks.to(lse.dtype)[:, None]
     for b, (n_q, n_k) in enumerate(zip(CASES[name].lengths_q, CASES[name].keys)):
         if n_k == 0 and n_q > 0:
             start = sum(CASES[name].lengths_q[:b])
-            assert (lse[:, start:start + n_q] == float("-inf")).all()
+            assert (lse[:, start:start + n_q].cpu() == no_key).all()
             assert (actual.out[start:start + n_q] == 0).all()
 
 

@@ -338,11 +338,16 @@ at::Tensor forward_of(const char* op, const at::Tensor& query, const at::Tensor&
                       bool is_causal, double scale, const at::Tensor& out, double dropout_p,
                       const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
                       bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                      int64_t diagonal_shift, const PagedCache& paged) {
+                      int64_t diagonal_shift, const std::optional<at::Tensor>& sinks, const PagedCache& paged) {
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   describe_pages(p, paged);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
   describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift);
+  if (sinks.has_value() && sinks->defined()) {
+    check_tensor(op, "sinks", *sinks, 1, {p.heads_q}, lse_dtype(query.scalar_type()));
+    TORCH_CHECK(sinks->is_contiguous(), op, ": sinks: expected a contiguous tensor, got strides ", sinks->strides());
+    p.sinks = sinks->data_ptr();
+  }
   std::vector<int64_t> spans;
   describe_padding_spans(p, spans);
   check_pages(op, p, paged.block_table, paged.k_blocks.size(0));
@@ -365,9 +370,10 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
                          double scale, const at::Tensor& out, double dropout_p,
                          const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
                          bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                         int64_t diagonal_shift) {
+                         int64_t diagonal_shift, const std::optional<at::Tensor>& sinks) {
   return forward_of("flash_forward", query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p,
-                    dropout_rng, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, {});
+                    dropout_rng, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks,
+                    {});
 }
 
 // The (B, H_kv, max_blocks · block_size, D) tensor a paged cache (num_blocks, block_size, H_kv, D) stands for,
@@ -387,7 +393,8 @@ at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, co
                          const at::Tensor& block_table, const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
                          const at::Tensor& out, int64_t window_left, int64_t window_right, bool bottom_right,
-                         double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+                         double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                         const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_forward";
   TORCH_CHECK(block_table.dim() == 2, op, ": block_table: expected a 2-D tensor (B, max_blocks), got shape ",
               block_table.sizes());
@@ -398,7 +405,7 @@ at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, co
   const at::Tensor key = logical_cache(op, "k_blocks", k_blocks, block_table);
   const at::Tensor value = logical_cache(op, "v_blocks", v_blocks, block_table);
   return forward_of(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, 0.0, std::nullopt,
-                    window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
+                    window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks,
                     PagedCache{k_blocks, v_blocks, block_table});
 }
 

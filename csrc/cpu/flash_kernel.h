@@ -646,9 +646,26 @@ inline void store_row(st* dst, int64_t stride, acc_t* src, int64_t n, acc_t fact
   }
 }
 
-template <typename T>
-inline void log_in_place(T* x, int64_t n) {
-  at::vec::map([](Vectorized<T> v) { return v.log(); }, x, x, n);
+// How a row ends, from its running maximum m and the sum l of its visible weights (relative to m): the
+// factor that turns its accumulator into the output (keep_scale / normaliser; 0 for a row with nothing
+// to normalise) and its log-sum-exp. A sink (fused_attn/scores.py) adds exp(sink - m) to the
+// normaliser and nothing to the accumulator; a row that saw no key then has lse = sink.
+template <typename acc_t>
+struct RowEnd {
+  acc_t factor, lse;
+};
+
+template <typename acc_t>
+inline RowEnd<acc_t> finish_row(const Params& p, int64_t h, acc_t m, acc_t l, acc_t keep_scale) {
+  const acc_t sink = p.sinks == nullptr ? neg_inf<acc_t>() : static_cast<const acc_t*>(p.sinks)[h];
+  if (sink == neg_inf<acc_t>()) {
+    if (l > acc_t(0)) return {keep_scale / l, m + std::log(l)};
+    return {acc_t(0), neg_inf<acc_t>()};
+  }
+  if (!(l > acc_t(0))) return {acc_t(0), sink};
+  const acc_t top = std::max(m, sink), kept = std::exp(m - top);
+  const acc_t total = l * kept + std::exp(sink - top);
+  return {keep_scale * kept / total, top + std::log(total)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -992,14 +1009,10 @@ void forward_impl(const Params& p) {
 
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = c0 + r;
-        const bool seen = row_sum[r] > acc_t(0);
+        const RowEnd<acc_t> end = finish_row(p, h, row_max[r], row_sum[r], keep_scale);
         scalar_t* o_row = O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2];
-        store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, seen ? keep_scale / row_sum[r] : acc_t(0));
-      }
-      log_in_place(row_sum, rows);  // log 0 = -inf: the lse of a row that saw no key
-      for (int64_t r = 0; r < rows; ++r) {
-        LSE[b * p.lse.s[0] + h * p.lse.s[1] + (c0 + r) * p.lse.s[2]] =
-            row_sum[r] == neg_inf<acc_t>() ? neg_inf<lse_t>() : row_max[r] + row_sum[r];
+        store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, end.factor);
+        LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]] = static_cast<lse_t>(end.lse);
       }
     }
     if (vnni || (std::is_same_v<ct, float> && p.use_brgemm)) at::native::cpublas::brgemm_release(vnni);
@@ -1157,10 +1170,13 @@ void decode_impl(const Params& p) {
       if (k_begin >= k_end) std::fill(obuf, obuf + rows * Dv, acc_t(0));  // no key here: output 0
       for (int64_t r = 0; r < rows; ++r) {
         const bool seen = row_sum[r] > acc_t(0);
-        const acc_t lse = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
         if (splits == 1) {
-          store_row_result(b, hk * groups + r / Lq, r % Lq, obuf + r * Dv, seen ? keep_scale / row_sum[r] : acc_t(0), lse);
+          const int64_t h = hk * groups + r / Lq;
+          const RowEnd<acc_t> end = finish_row(p, h, row_max[r], row_sum[r], keep_scale);
+          store_row_result(b, h, r % Lq, obuf + r * Dv, end.factor, end.lse);
         } else {
+          // The splits are merged below, where the sink joins once.
+          const acc_t lse = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
           acc_t* out = partial_out.data() + (item * rows + r) * Dv;
           for (int64_t d = 0; d < Dv; ++d) out[d] = seen ? obuf[r * Dv + d] / row_sum[r] : acc_t(0);
           partial_lse[item * rows + r] = lse;
@@ -1188,9 +1204,9 @@ void decode_impl(const Params& p) {
           for (int64_t d = 0; d < Dv; ++d) merged[d] += weight * partial_out[part * Dv + d];
         }
       }
-      const acc_t lse = total > acc_t(0) ? top + std::log(total) : neg_inf<acc_t>();
-      store_row_result(b, hk * groups + r / Lq, r % Lq, merged.data(), total > acc_t(0) ? keep_scale / total : acc_t(0),
-                       lse);
+      const int64_t h = hk * groups + r / Lq;
+      const RowEnd<acc_t> end = finish_row(p, h, top, total, keep_scale);
+      store_row_result(b, h, r % Lq, merged.data(), end.factor, end.lse);
     }
   });
 }

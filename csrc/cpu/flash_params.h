@@ -44,6 +44,9 @@ struct Params {
   int64_t diagonal = 0;    // 0 top-left, L_k - L_q bottom-right, plus the call's diagonal_shift
   double softcap = 0.0;    // > 0: scaled scores become softcap * tanh(s / softcap)
   View alibi;              // float32 slopes (B, H_q) in s[0], s[1], data null when absent
+  // Forward only: (H_q,) of the lse's dtype, one logit per query head in every row's softmax with no
+  // value (null: none). Folded in where each row's log-sum-exp is finalised (finish_row in flash_kernel.h).
+  const void* sinks = nullptr;
   double scale = 1.0;
   fused_attn::DropoutParams dropout;  // enabled: drop the elements of csrc/dropout.h's stream
   View out;                // (B, H_q, L_q, D_v)

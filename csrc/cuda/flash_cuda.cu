@@ -74,13 +74,16 @@ at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at
                         double scale, const at::Tensor& out, double dropout_p,
                         const std::optional<at::Tensor>& dropout_rng, int64_t window_left,
                         int64_t window_right, bool bottom_right, double softcap,
-                        const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+                        const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                        const std::optional<at::Tensor>& sinks) {
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, dropout_rng, "dropout_rng");
   check_device(query, alibi_slopes, "alibi_slopes");
+  check_device(query, sinks, "sinks");
   const c10::cuda::CUDAGuard guard(query.device());
-  return flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
-                       dropout_p, dropout_rng, {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
+  return flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p,
+                       dropout_rng,
+                       {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks},
                        launcher_for(query));
 }
 
@@ -124,12 +127,15 @@ void forward_varlen_cuda(const at::Tensor& query, const at::Tensor& key, const a
                          int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out,
                          const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
                          int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-                         const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+                         const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                         const std::optional<at::Tensor>& sinks) {
   check_packed_devices(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_rng, alibi_slopes);
+  check_device(query, sinks, "sinks");
   const c10::cuda::CUDAGuard guard(query.device());
   flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                        out, lse, dropout_p, dropout_rng,
-                       {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift}, launcher_for(query));
+                       {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks},
+                       launcher_for(query));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(

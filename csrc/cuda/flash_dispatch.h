@@ -175,6 +175,7 @@ inline AttentionParams attention_params(const at::Tensor& query, const at::Tenso
   p.window_right = is_causal ? 0 : static_cast<int>(len_q + len_k);
   p.softcap = 0.0f;
   p.alibi = nullptr;
+  p.sinks = nullptr;
   return p;
 }
 
@@ -198,10 +199,11 @@ struct VariantArgs {
   double softcap = 0.0;
   std::optional<at::Tensor> alibi_slopes;  // float32 (B, H_q), any strides
   int64_t diagonal_shift = 0;              // added to the alignment's diagonal
+  std::optional<at::Tensor> sinks;         // float32 (H_q,), contiguous; the forward ops' only
 };
 
-// The band, diagonal, softcap and ALiBi slopes of the call into the kernel parameters, on top of the
-// causal band attention_params set.
+// The band, diagonal, softcap, ALiBi slopes and sinks of the call into the kernel parameters, on top of
+// the causal band attention_params set.
 inline void set_variant(AttentionParams& p, const VariantArgs& v) {
   TORCH_CHECK(v.window_left >= -1 && v.window_right >= -1, "fused_attn cuda: window_left and window_right "
               "must be -1 (unbounded) or >= 0, got ", v.window_left, " and ", v.window_right);
@@ -227,6 +229,17 @@ inline void set_variant(AttentionParams& p, const VariantArgs& v) {
     check_shape(slopes, "alibi_slopes", {p.batch, p.heads_q});
     p.alibi = slopes.data_ptr<float>();
     copy_strides(slopes, p.alibi_stride);
+  }
+  p.sinks = nullptr;
+  if (v.sinks.has_value() && v.sinks->defined()) {
+    const at::Tensor& sinks = *v.sinks;
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat, "fused_attn cuda: sinks must be float32, got ",
+                sinks.scalar_type());
+    TORCH_CHECK(sinks.dim() == 1, "fused_attn cuda: sinks must be (H_q,), one logit per query head, got shape ",
+                sinks.sizes());
+    check_shape(sinks, "sinks", {p.heads_q});
+    TORCH_CHECK(sinks.is_contiguous(), "fused_attn cuda: sinks must be contiguous, got strides ", sinks.strides());
+    p.sinks = sinks.data_ptr<float>();
   }
 }
 
@@ -316,6 +329,7 @@ void flash_decode(const ForwardParams& forward, at::ScalarType dtype, const at::
   combine.out = forward.out;
   std::copy(forward.out_stride, forward.out_stride + 4, combine.out_stride);
   combine.lse = forward.lse;
+  combine.sinks = p.sinks;
   combine.batch = p.batch;
   combine.heads_q = p.heads_q;
   combine.heads_kv = p.heads_kv;
@@ -344,7 +358,9 @@ void launch_forward(const ForwardParams& params, at::ScalarType dtype, const Lau
   });
 }
 
-// Writes softmax(scale · Q Kᵀ + masks) V into `out` and returns the log-sum-exp (B, H_q, L_q).
+// Writes softmax(scale · Q Kᵀ + masks) V into `out` and returns the log-sum-exp (B, H_q, L_q); with
+// `variant.sinks`, each row's softmax also takes its head's sink (a column without value), and so does
+// the log-sum-exp.
 template <typename Launch>
 at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const std::optional<at::Tensor>& attn_mask,

@@ -18,6 +18,12 @@
 // normalised output and log-sum-exp into an fp32 workspace; a combine kernel merges the splits by
 // their log-sum-exps. The split count comes from the problem and the SM count (flash_dispatch.h).
 //
+// Attention sinks (fused_attn/scores.py: one logit per query head that joins every row's softmax and
+// carries no value) are folded in where a forward finalises a row's log-sum-exp: the long-query
+// kernel's epilogue and the decode combine kernel (fold_sink). The online softmax is unchanged, so a
+// call without sinks (a null pointer) runs the same code; the backward needs no change, since it
+// recomputes P = exp(s - lse) with the lse the forward returned, the sink in it.
+//
 // Packed batches (attention_varlen) run the same forward and backward kernels, one launch each: the
 // grid's batch index is the sequence, and each block reads its sequence's bounds from cu_seqlens
 // itself (enter_sequence), its grid made for the longest sequences; blocks past their sequence's end
@@ -129,6 +135,9 @@ struct AttentionParams {
   float softcap;              // > 0: scaled scores become softcap * tanh(s / softcap)
   const float* alibi;         // (B, H_q) slopes, or null: adds -slope * |i + diagonal - j|
   int64_t alibi_stride[2];
+  // Sinks: (H_q,) float32 natural-log logits, or null. Row i of head h takes sinks[h] as one more
+  // score with no value (never dropped); only the forward kernels read it (fold_sink).
+  const float* sinks;
   // Dropout: the call's (seed, offset, query_start, key_start), int64 in the tensors' memory, read by
   // the kernels themselves (no host synchronisation, so CUDA graphs replay it); null without dropout.
   const int64_t* dropout_rng;
@@ -187,6 +196,7 @@ struct CombineParams {
   void* out;  // (B, H_q, L_q, D_v)
   int64_t out_stride[4];
   float* lse;  // (B, H_q, L_q), contiguous
+  const float* sinks;  // (H_q,) or null, as AttentionParams::sinks: folded in with the splits
   int batch, heads_q, heads_kv, group, len_q, dim_v, splits;
 };
 
@@ -564,6 +574,20 @@ struct DropoutStream {
 
 // ---- forward ----------------------------------------------------------------------------------
 
+// Folds a sink (AttentionParams::sinks) into a row's finished online softmax: the logit joins the
+// row's running max and sum (the sum relative to the max) as one more score whose column carries no
+// value, m' = max(m, sink), l' = l·exp(m − m') + exp(sink − m'). Returns exp(m − m'), the factor of the
+// row's accumulated output. A sink of -inf changes nothing; a row that saw no key gets max sink, sum 1
+// and factor 0 (output 0, log-sum-exp sink).
+__device__ __forceinline__ float fold_sink(float sink, float& row_max, float& row_sum) {
+  const float new_max = fmaxf(row_max, sink);
+  if (new_max == -INFINITY) return 1.0f;  // no key and a sink of -inf: nothing to fold (no NaN)
+  const float rescale = expf(row_max - new_max);
+  row_sum = fmaf(row_sum, rescale, expf(sink - new_max));
+  row_max = new_max;
+  return rescale;
+}
+
 // The shared memory of a forward tile of BM query rows against blocks of BN keys, carved in the
 // order of forward_shared_bytes: the long-query forward and the decode kernel use the same.
 template <typename T, int HEAD, int BM, int BN>
@@ -669,9 +693,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
                                      head_of<const T>(p.v, p.v_stride, b, h_kv), b, h, i, n_begin, n_end,
                                      DropoutStream::of(p, b), row_max, row_sum);
 
-  // A row that saw no key: output 0, log-sum-exp -inf.
+  // The sink joins the row here; a row that saw no key (nor a sink): output 0, log-sum-exp -inf.
   if (lane == 0) {
-    tiles.inv_sum[row] = row_sum > 0.0f ? p.keep_scale / row_sum : 0.0f;
+    const float rescale = p.sinks != nullptr ? fold_sink(p.sinks[h], row_max, row_sum) : 1.0f;
+    tiles.inv_sum[row] = row_sum > 0.0f ? p.keep_scale * rescale / row_sum : 0.0f;
     if (i < p.len_q)
       params.lse[b * params.lse_stride[0] + h * params.lse_stride[1] + (start.q + i) * params.lse_stride[2]] =
           row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
@@ -736,7 +761,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_decode_kernel(const DecodeP
 }
 
 // One warp per query row (b, h, i): the splits' outputs weighted by exp(lse_s - max) / sum (0 for a
-// split that saw no key); the row's log-sum-exp max + log(sum), -inf when no split saw a key.
+// split that saw no key); the row's log-sum-exp max + log(sum), -inf when no split saw a key. The
+// row's sink, if any, joins the sum here (fold_sink), as one more split with output 0.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) flash_decode_combine_kernel(const CombineParams p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -758,7 +784,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_decode_combine_kernel(const
   for (int s = lane; s < p.splits; s += 32)
     total += expf(p.part_lse[first + static_cast<int64_t>(s) * rows] - reference);
   total = group_sum<32>(total);
-  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+  const float rescale = p.sinks != nullptr ? fold_sink(p.sinks[h], largest, total) : 1.0f;
+  const float inv_total = total > 0.0f ? rescale / total : 0.0f;
   T* out = head_of<T>(p.out, p.out_stride, b, h) + i * p.out_stride[2];
   for (int d = lane; d < p.dim_v; d += 32) {
     float sum = 0.0f;
@@ -768,7 +795,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_decode_combine_kernel(const
     }
     out[d * p.out_stride[3]] = Element<T>::store(sum * inv_total);
   }
-  if (lane == 0) p.lse[row] = total > 0.0f ? reference + logf(total) : -INFINITY;
+  if (lane == 0) p.lse[row] = total > 0.0f ? largest + logf(total) : -INFINITY;
 }
 
 // ---- backward ---------------------------------------------------------------------------------

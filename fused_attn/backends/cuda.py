@@ -11,6 +11,11 @@ cores with fp32 accumulation; fp32 runs exactly on CUDA cores (no TF32), whateve
 csrc/dropout.h's stream, the same elements as every other backend; the backward also gives the
 gradient of a learned additive mask.
 
+Sinks (fused_attn/scores.py) are folded in where the forward kernels finalise each row's
+log-sum-exp (the long-query kernel's epilogue, the decode combine kernel); the backward kernels take
+that log-sum-exp and need nothing more, and the sinks' own gradient is `scores.sink_gradient`, in
+Python above the ops.
+
 Forward calls with few query rows (L_q <= 16, a GQA group's G · L_q <= 64 rows, head dims <= 128, no
 dropout: generation steps) run split-KV decode kernels: one block per (batch, key/value head, split of
 the keys) for the whole query group, splits chosen from the problem and the SM count, and a combine
@@ -87,4 +92,4 @@ class CudaBackend(ExtensionBackend):
         self.check_variant(variant, is_causal)
         return torch.ops.fused_attn.flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse,
-                                                          *dropout_args(dropout), *variant.op_args())
+                                                          *dropout_args(dropout), *variant.score_args())

@@ -33,4 +33,4 @@ class ExtensionBackend(Backend):
         self.check_variant(variant, is_causal)
         return torch.ops.fused_attn.flash_backward(query, key, value, attn_mask, key_padding_mask,
                                                    is_causal, scale, out, lse, grad_out, grad_lse,
-                                                   *dropout_args(dropout), grad_mask, *variant.op_args())
+                                                   *dropout_args(dropout), grad_mask, *variant.score_args())

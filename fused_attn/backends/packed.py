@@ -46,9 +46,12 @@ def forward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, s
         if q1 == q0:
             continue
         seq_out, seq_lse = sequence_view(out, q0, q1), lse[:, q0:q1]
-        if k1 == k0:  # a sequence without keys: every row sees none
+        if k1 == k0:  # a sequence without keys: every row sees none (but its sink)
             seq_out.zero_()
-            seq_lse.fill_(float("-inf"))
+            if variant.sinks is None:
+                seq_lse.fill_(float("-inf"))
+            else:
+                seq_lse.copy_(variant.sinks[:, None].to(seq_lse.dtype))
             continue
         seq_lse.copy_(backend.forward(sequence_view(query, q0, q1), sequence_view(key, k0, k1),
                                       sequence_view(value, k0, k1), None, None, is_causal, scale, seq_out,

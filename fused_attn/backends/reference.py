@@ -96,6 +96,16 @@ def dropped(probs: torch.Tensor, dropout: Dropout | None) -> torch.Tensor:
     return torch.where(keep, probs * dropout.keep_scale, torch.zeros((), dtype=probs.dtype, device=probs.device))
 
 
+def with_sink_column(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The scores with each head's sink logit as one more key column (gpt-oss's definition): the softmax
+    over it is the call's; the column is dropped before the values are weighed."""
+    if sinks is None:
+        return scores
+    batch, heads, len_q, _ = scores.shape
+    column = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(batch, heads, len_q, 1)
+    return torch.cat([scores, column], dim=-1)
+
+
 def attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causal=False, scale=None,
               dropout=None, return_weights=False, variant: ScoreVariant = PLAIN):
     """Differentiable attention in the inputs' dtype: returns (out, lse) or (out, lse, weights).
@@ -103,9 +113,13 @@ def attention(query, key, value, attn_mask=None, key_padding_mask=None, is_causa
     `lse` is in `lse_dtype(query.dtype)` (of the undropped scores); `weights` are the probabilities
     after `dropout` (a fused_attn.dropout.Dropout, or None), the ones that multiplied the values.
     """
-    scores = masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale, variant)
+    scores = with_sink_column(masked_scores(query, key, attn_mask, key_padding_mask, is_causal, scale, variant),
+                              variant.sinks)
     lse = log_sum_exp(scores)
-    probs = dropped(probabilities(scores), dropout)
+    probs = probabilities(scores)
+    if variant.sinks is not None:
+        probs = probs[..., :-1]
+    probs = dropped(probs, dropout)
     out = weighted_values(probs, value)
     return (out, lse, probs) if return_weights else (out, lse)
 

@@ -3,7 +3,8 @@
 Chosen automatically for CUDA tensors. Forward calls with few query rows (L_q <= 16) run the
 split-KV decode kernels of `triton_decode` (FUSED_ATTN_TRITON_DECODE=0 turns them off); packed batches
 (`attention_varlen`) run in one launch per kernel; paged key/value caches are read through their block
-table (`forward_paged`). With TRITON_INTERPRET=1 set before the kernels are first
+table (`forward_paged`). Attention sinks fold into the forward kernels' log-sum-exp, so the backward
+kernels take them through the lse. With TRITON_INTERPRET=1 set before the kernels are first
 imported, it also accepts CPU tensors and runs the same kernels through Triton's interpreter; it is
 never chosen automatically for them (`backend="triton"` asks for it).
 """
@@ -49,7 +50,7 @@ class TritonBackend(Backend):
     max_head_dim = 256
     takes_dropout = True
     takes_mask_gradient = True
-    takes_score_variants = frozenset(FEATURES)
+    takes_score_variants = frozenset(FEATURES)  # sinks: folded into the forward's lse (HAS_SINKS)
     takes_varlen = True  # the kernels read each sequence's bounds: one launch, no host synchronisation
 
     def unavailable(self) -> str | None:

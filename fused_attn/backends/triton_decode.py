@@ -8,13 +8,15 @@ With L_q of 1 to 16, the long-query forward wastes most of a query tile (one use
               key/value block is read once for the group; writes the split's normalised output and
               its base-2 log-sum-exp into an fp32 workspace.
     combine   one program per (batch, query head, query row): merges the splits through their
-              log-sum-exps (max-shifted, so no exp overflows), writes the output and the natural
-              log-sum-exp.
+              log-sum-exps (max-shifted, so no exp overflows), with the head's attention sink, if any,
+              as one more split whose output is 0 (folded in once per row, never per split); writes
+              the output and the natural log-sum-exp.
 
 The split count comes from the problem and the device: enough programs for two per SM, each split at
 least `MIN_KEYS_PER_SPLIT` keys. Masks, key padding (its span narrows each split), the band (causal,
 windows, either alignment), softcap and ALiBi are read as the long-query kernels read them (the same
-`_in_band`, `_variant_scores`); dropout is not (calls with dropout take the long-query kernels).
+`_in_band`, `_variant_scores`), attention sinks by the combine; dropout is not (calls with dropout take
+the long-query kernels).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..scores import PLAIN
 from . import triton_kernels as tk
 
 MIN_KEYS_PER_SPLIT = 256
@@ -109,13 +112,16 @@ def _attn_decode(
 
 @triton.jit
 def _attn_decode_combine(
-    PART_O, PART_LSE, O, LSE,
+    PART_O, PART_LSE, O, LSE, SINKS,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     H_Q, H_KV, GROUP, L_Q, SPLITS,
     D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """One query row: the splits' outputs weighted by 2^(lse_s - max) / sum; lse in natural units."""
+    """One query row: the splits' outputs weighted by 2^(lse_s - max) / sum; lse in natural units. With
+    HAS_SINKS the head's sink (natural units, SINKS (H_q,) float32) is a term of the max and the sum
+    that weighs no output."""
     pid = tl.program_id(0)
     off_i = pid % L_Q
     off_bh = pid // L_Q
@@ -129,16 +135,25 @@ def _attn_decode_combine(
     parts = (group * SPLITS + offs_s) * BLOCK_M + row
     lse = tl.load(PART_LSE + parts, mask=split_ok, other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        no_key = m == float("-inf")
+        sink = tl.load(SINKS + off_h)
+        sink2 = sink * 1.4426950408889634
+        m = tl.maximum(m, sink2)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     weight = tl.exp2(lse - m_safe)  # 0 for splits that saw no key
     total = tl.sum(weight, 0)
+    if HAS_SINKS:  # 0 for a sink of -inf: a row that sees no key then keeps output 0 and lse -inf
+        total += tl.exp2(sink2 - m_safe)
     outs = tl.load(PART_O + parts[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
     seen = total > 0.0
     out = tl.sum(outs * weight[:, None], 0) / tl.where(seen, total, 1.0)
     tl.store(O + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_dv * stride_od,
              out.to(O.dtype.element_ty), mask=offs_dv < D_V)
-    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_i * stride_lm,
-             tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453, float("-inf")))
+    row_lse = tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    if HAS_SINKS:  # the sink alone: its logit exactly, not through base 2
+        row_lse = tl.where(no_key, sink, row_lse)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_i * stride_lm, row_lse)
 
 
 KERNELS = {"decode": _attn_decode, "decode_combine": _attn_decode_combine}
@@ -222,12 +237,14 @@ def decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale
     return args, constexprs
 
 
-def combine_args(part_o, part_lse, out, lse, heads_kv, splits):
+def combine_args(part_o, part_lse, out, lse, heads_kv, splits, variant=PLAIN):
+    """(positional args, constexprs) of `_attn_decode_combine`; the variant's sinks fold in here."""
     batch, heads_q, len_q, dim_v = out.shape
-    args = (part_o, part_lse, out, lse, *out.stride(), *lse.stride(), heads_q, heads_kv, heads_q // heads_kv, len_q,
-            splits)
+    sinks, sink_constexprs = tk.sink_args(variant, heads_q, lse)
+    args = (part_o, part_lse, out, lse, sinks, *out.stride(), *lse.stride(), heads_q, heads_kv, heads_q // heads_kv,
+            len_q, splits)
     constexprs = dict(D_V=dim_v, BLOCK_DV=part_o.shape[-1], BLOCK_M=part_o.shape[-2],
-                      BLOCK_S=max(2, triton.next_power_of_2(splits)))
+                      BLOCK_S=max(2, triton.next_power_of_2(splits)), **sink_constexprs)
     return args, constexprs
 
 
@@ -254,7 +271,7 @@ def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, ou
     with tk._on_device(query):
         _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=DECODE_WARPS,
                                                    num_stages=DECODE_STAGES)
-        args, constexprs = combine_args(part_o, part_lse, out, lse, heads_kv, splits)
+        args, constexprs = combine_args(part_o, part_lse, out, lse, heads_kv, splits, variant)
         _attn_decode_combine[(batch * heads_q * len_q,)](*args, **constexprs, num_warps=COMBINE_WARPS, num_stages=1)
     return lse
 

@@ -22,7 +22,10 @@ Calls with few query rows take the split-KV kernels of `triton_decode` instead o
 The score variants of fused_attn.scores are constexpr switches: BANDED (query i sees keys
 i + DIAG - LEFT .. i + DIAG + RIGHT; causal is RIGHT = 0; a side without a bound gets L_Q + L_K,
 which no index pair reaches), SOFTCAP and HAS_ALIBI, applied by `_variant_scores` and `_in_band`
-in every kernel alike.
+in every kernel alike. Attention sinks (HAS_SINKS, the forward kernels only) enter where a row's
+log-sum-exp is finalised (`_fold_sink`): one exp per row, the key loop unchanged. The backward needs no
+switch for them: it recomputes the weights from the log-sum-exp the forward returned, which holds the
+sink (the sinks' own gradient is fused_attn.scores.sink_gradient, in Python).
 
 Every tensor is read and written through its own strides: the slices of a packed projection, permuted
 views, a mask viewed as (B, H_q, L_q, L_k) with stride-0 broadcast dimensions, the output written into
@@ -236,8 +239,21 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def _fold_sink(m_i, l_i, sink2):
+    """The sink's logit (base 2: times log2(e), never times the score scale) joins the finished online
+    softmax of a row as one more score without a value: (alpha, m, l) with m = max(m_i, sink2),
+    l = l_i * alpha + 2^(sink2 - m) and alpha = 2^(m_i - m), by which the accumulator is to be scaled.
+    A row that saw no key gets m = sink2, l = 1, alpha = 0; a sink of -inf changes nothing, and with
+    both -inf l stays 0 (the row's output 0, lse -inf)."""
+    m_new = tl.maximum(m_i, sink2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    return alpha, m_new, l_i * alpha + tl.exp2(sink2 - m_safe)
+
+
+@triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K, PAGES,
+    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K, PAGES, SINKS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -249,7 +265,7 @@ def _attn_fwd(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
     # under a causal mask, are scheduled first.
@@ -321,13 +337,20 @@ def _attn_fwd(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
 
-    # A row with no visible key: output 0, log-sum-exp -inf.
+    if HAS_SINKS:  # the head's sink joins each row's softmax here, once (fused_attn.scores)
+        sink = tl.load(SINKS + off_h)
+        no_key = l_i == 0.0
+        alpha, m_i, l_i = _fold_sink(m_i, l_i, sink * 1.4426950408889634)
+        acc = acc * alpha[:, None]
+    # A row with no visible key: output 0, log-sum-exp -inf (with a sink: 0 and the sink's logit).
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     if HAS_DROPOUT:
         out = out * keep_scale
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if HAS_SINKS:  # the sink alone: its logit exactly, not through base 2
+        lse = tl.where(no_key, sink, lse)
     o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
               + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
@@ -888,6 +911,20 @@ def _variant_args(variant, is_causal, len_q, len_k, dummy, packed=False):
     return pointer, strides, runtime, constexprs
 
 
+def sink_args(variant, heads_q: int, dummy):
+    """(SINKS pointer, {"HAS_SINKS": ...}) of the forward kernels: the variant's sinks, (H_q,) float32
+    contiguous on the tensors' device (fused_attn.scores), or `dummy` (never read). The backward kernels
+    take none: the log-sum-exp they are given holds the sinks already."""
+    sinks = variant.sinks
+    if sinks is None:
+        return dummy, dict(HAS_SINKS=False)
+    if sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads_q,) or not sinks.is_contiguous() \
+            or sinks.device != dummy.device:
+        raise ValueError(f"sinks: expected a contiguous ({heads_q},) float32 tensor on {dummy.device}, got "
+                         f"{sinks.dtype} of shape {tuple(sinks.shape)} on {sinks.device}")
+    return sinks, dict(HAS_SINKS=True)
+
+
 def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None,
                  variant=PLAIN, sequences: Sequences | None = None, pages: Pages | None = None):
     """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report.
@@ -901,7 +938,8 @@ def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scal
     alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse,
                                                                              sequences is not None)
     bounds, packed_constexprs = _sequence_args(sequences, lse)
-    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds, table,
+    sinks, sink_constexprs = sink_args(variant, heads_q, lse)
+    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds, table, sinks,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
             *mask_strides, *padding_strides, *alibi_strides, *page_values,
             heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E,
@@ -909,7 +947,8 @@ def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scal
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
                       HAS_KPM=key_padding_mask is not None, **variant_constexprs, **packed_constexprs,
-                      **page_constexprs, HAS_DROPOUT=dropout is not None, PRECISION=_precision(query.dtype))
+                      **page_constexprs, HAS_DROPOUT=dropout is not None, **sink_constexprs,
+                      PRECISION=_precision(query.dtype))
     return args, constexprs
 
 
@@ -1015,6 +1054,8 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     return min(smaller, key=lambda c: (c.block_m * c.block_n, c.num_stages)) if smaller else config
 
 
+# HAS_SINKS is not in the key: it changes only the forward's epilogue, so the config tuned without sinks
+# serves a call with them (a launch still compiles its own specialisation).
 AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "HAS_DROPOUT",
                 "SOFTCAP", "HAS_ALIBI", "VARLEN", "PRECISION")
 

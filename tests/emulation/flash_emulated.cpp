@@ -20,18 +20,18 @@ at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
                    const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
                    const at::Tensor& out, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
                    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-                   const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+                   const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                   const std::optional<at::Tensor>& sinks) {
   for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"},
                                 {key, "key"}, {value, "value"}, {attn_mask, "attn_mask"},
                                 {key_padding_mask, "key_padding_mask"}, {out, "out"},
-                                {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}})
+                                {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}, {sinks, "sinks"}})
     check_cpu(t, name);
   // The emulated threads never touch Python: let other Python threads run meanwhile.
   pybind11::gil_scoped_release release;
-  return fused_attn_cuda::flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                        scale, out, dropout_p, dropout_rng,
-                                        {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
-                                        EmulatedLaunch{});
+  return fused_attn_cuda::flash_forward(
+      query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p, dropout_rng,
+      {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks}, EmulatedLaunch{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
@@ -60,16 +60,18 @@ void forward_varlen(const at::Tensor& query, const at::Tensor& key, const at::Te
                     int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out, const at::Tensor& lse,
                     double dropout_p, const std::optional<at::Tensor>& dropout_rng, int64_t window_left,
                     int64_t window_right, bool bottom_right, double softcap,
-                    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+                    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                    const std::optional<at::Tensor>& sinks) {
   for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
                                 {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}, {out, "out"},
-                                {lse, "lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}})
+                                {lse, "lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"},
+                                {sinks, "sinks"}})
     check_cpu(t, name);
   pybind11::gil_scoped_release release;
-  fused_attn_cuda::flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        is_causal, scale, out, lse, dropout_p, dropout_rng,
-                                        {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
-                                        EmulatedLaunch{});
+  fused_attn_cuda::flash_forward_varlen(
+      query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
+      dropout_p, dropout_rng, {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks},
+      EmulatedLaunch{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen(
@@ -210,13 +212,14 @@ at::Tensor unwritten_shared() { return run_probe(&unwritten_shared_probe, 32, Pr
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fused_attn cuda kernels run on CPU tensors through a host emulation (tests only)";
   m.def("forward", &forward, "flash_forward(query, key, value, attn_mask, key_padding_mask, "
-        "is_causal, scale, out, dropout_p, dropout_rng) -> lse", pybind11::arg("query"),
+        "is_causal, scale, out, dropout_p, dropout_rng, window_left, window_right, bottom_right, softcap, "
+        "alibi_slopes, diagonal_shift, sinks) -> lse", pybind11::arg("query"),
         pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("attn_mask"),
         pybind11::arg("key_padding_mask"), pybind11::arg("is_causal"), pybind11::arg("scale"),
         pybind11::arg("out"), pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none(),
         pybind11::arg("window_left") = -1, pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false,
         pybind11::arg("softcap") = 0.0, pybind11::arg("alibi_slopes") = pybind11::none(),
-        pybind11::arg("diagonal_shift") = 0);
+        pybind11::arg("diagonal_shift") = 0, pybind11::arg("sinks") = pybind11::none());
   m.def("backward", &backward, "flash_backward(query, key, value, attn_mask, key_padding_mask, "
         "is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, grad_mask) -> (dq, dk, dv)",
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("attn_mask"),
@@ -228,7 +231,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("diagonal_shift") = 0);
   m.def("forward_varlen", &forward_varlen, "flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
         "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng, window_left, window_right, "
-        "bottom_right, softcap, alibi_slopes, diagonal_shift): writes out and lse");
+        "bottom_right, softcap, alibi_slopes, diagonal_shift, sinks=None): writes out and lse",
+        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("cu_seqlens_q"),
+        pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
+        pybind11::arg("is_causal"), pybind11::arg("scale"), pybind11::arg("out"), pybind11::arg("lse"),
+        pybind11::arg("dropout_p"), pybind11::arg("dropout_rng"), pybind11::arg("window_left"),
+        pybind11::arg("window_right"), pybind11::arg("bottom_right"), pybind11::arg("softcap"),
+        pybind11::arg("alibi_slopes"), pybind11::arg("diagonal_shift"), pybind11::arg("sinks") = pybind11::none());
   m.def("backward_varlen", &backward_varlen, "flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
         "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, "
         "window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift) -> (dq, dk, dv)");

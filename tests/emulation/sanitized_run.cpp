@@ -57,12 +57,12 @@ bool all_finite(const std::vector<T>& values) {
 
 // The inputs of one problem: GQA, L_q != L_k, causal, key padding and a broadcast mask: bool with
 // some rows fully hidden, or, for `training`, an additive one whose gradient is computed, with
-// dropout and every score variant.
+// dropout and every score variant, sinks included (a finite sink on even heads, -inf on odd ones).
 template <typename T>
 struct Problem {
   std::vector<T> q, k, v, grad_out, bias;
   std::vector<uint8_t> mask, padding;
-  std::vector<float> slopes;
+  std::vector<float> slopes, sinks;
   int64_t dropout_rng[2] = {0x123456789abcdefLL, 7};
   AttentionParams attn{};
 
@@ -80,6 +80,7 @@ struct Problem {
     for (std::size_t i = 0; i < padding.size(); ++i) padding[i] = rng() % 5 == 0;
     bias = random_values<T>(mask.size(), rng);
     slopes.assign(static_cast<std::size_t>(batch) * heads_q, 0.25f);
+    for (int h = 0; h < heads_q; ++h) sinks.push_back(h % 2 ? -INFINITY : 1.0f - 0.5f * h);
 
     attn.q = q.data();
     attn.k = k.data();
@@ -113,6 +114,7 @@ struct Problem {
     attn.alibi = training ? slopes.data() : nullptr;
     attn.alibi_stride[0] = heads_q;
     attn.alibi_stride[1] = 1;
+    attn.sinks = training ? sinks.data() : nullptr;
     attn.dropout_rng = training ? dropout_rng : nullptr;
     attn.drop_threshold = training ? fused_attn::dropout_threshold(0.25) : 0;
     attn.keep_scale = training ? 1.0f / 0.75f : 1.0f;
@@ -235,10 +237,13 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
 }
 
 // The split-KV decode and combine kernels on a problem of few query rows (Problem without dropout),
-// the keys in `splits` splits of whole key blocks, as flash_decode (flash_dispatch.h) launches them.
+// the keys in `splits` splits of whole key blocks, as flash_decode (flash_dispatch.h) launches them;
+// with `sinks`, Problem's sinks folded in by the combine kernel.
 template <typename T, int HEAD, int BM>
-int run_decode(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim, int splits) {
+int run_decode(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim, int splits,
+               bool sinks = false) {
   Problem<T> problem(batch, heads_q, heads_kv, len_q, len_k, dim, dim, false);
+  problem.attn.sinks = sinks ? problem.sinks.data() : nullptr;
   problem.attn.bottom_right = true;  // causal bottom-right: the queries see most keys
   problem.attn.diagonal = len_k - len_q;
   const AttentionParams& attn = problem.attn;
@@ -263,6 +268,7 @@ int run_decode(const char* name, int batch, int heads_q, int heads_kv, int len_q
   combine.out = out.data();
   contiguous(combine.out_stride, heads_q, len_q, dim);
   combine.lse = lse.data();
+  combine.sinks = attn.sinks;
   combine.batch = batch;
   combine.heads_q = heads_q;
   combine.heads_kv = heads_kv;
@@ -282,14 +288,15 @@ int main() {
   failures += run<__half, 64>("float16, head 64", 1, 2, 1, 70, 90, 40, 48);
   failures += run<__nv_bfloat16, 32>("bfloat16, head 32", 2, 2, 2, 80, 45, 32, 24);
   failures += run<float, 128>("float32, head 128", 1, 2, 1, 40, 50, 72, 100);
-  // Dropout and the gradient of an additive mask.
+  // Dropout, the gradient of an additive mask and sinks.
   failures += run<__half, 32>("float16, head 32, training", 1, 2, 1, 40, 52, 24, 32, true);
   // A packed batch: sequences of 21, 0, 40 and 9 queries and 30, 13, 0 and 9 keys (one without queries,
-  // one without keys), with dropout and the score variants, bottom-right per sequence.
+  // one without keys), with dropout and the score variants (sinks too), bottom-right per sequence.
   const Packing packing{{0, 21, 21, 61, 70}, {0, 30, 43, 43, 52}};
   failures += run<__half, 32>("float16, head 32, packed batch", 1, 2, 1, 70, 52, 24, 32, true, &packing);
-  // Split-KV decode: a GQA group of 2 x 3 rows and 4 x 5 rows, keys in three splits.
+  // Split-KV decode: a GQA group of 2 x 3 rows and 4 x 5 rows (row 3 hidden by the mask), keys in three
+  // splits; sinks in the second.
   failures += run_decode<__nv_bfloat16, 64, 16>("bfloat16, head 64, decode", 2, 2, 1, 3, 150, 40, 3);
-  failures += run_decode<float, 32, 64>("float32, head 32, decode", 1, 4, 1, 5, 90, 32, 3);
+  failures += run_decode<float, 32, 64>("float32, head 32, decode, sinks", 1, 4, 1, 5, 90, 32, 3, true);
   return failures == 0 ? 0 : 1;
 }
