@@ -160,3 +160,23 @@ def interpreter_remedies():
         patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
         patch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_impl)
         yield counter
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the forward and backward kernel calls of each backend: {"cpu": [forwards, backwards], ...}."""
+    from fused_attn.backends import registry
+
+    counts = {}
+    for name in registry.names():
+        backend = registry.get(name)
+        counts[name] = [0, 0]
+        for index, method in enumerate(("forward", "backward")):
+            original = getattr(backend, method)
+
+            def counted(*args, _original=original, _count=counts[name], _index=index, **kwargs):
+                _count[_index] += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(backend, method, counted)
+    return counts

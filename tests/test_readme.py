@@ -41,8 +41,8 @@ def blocks_of(heading: str) -> list[str]:
 BLOCKS = blocks_of("## Use it in your model")
 
 
-def test_the_section_has_its_three_routes():
-    assert len(BLOCKS) == 3
+def test_the_section_has_its_four_routes():
+    assert len(BLOCKS) == 4
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

@@ -51,24 +51,6 @@ MODULES = {"gpt": CausalSelfAttention, "timm": TimmAttention}
 
 
 @pytest.fixture
-def fused_calls(monkeypatch):
-    """Counts the forward and backward kernel calls of each backend: {"cpu": [forwards, backwards], ...}."""
-    counts = {}
-    for name in registry.names():
-        backend = registry.get(name)
-        counts[name] = [0, 0]
-        for index, method in enumerate(("forward", "backward")):
-            original = getattr(backend, method)
-
-            def counted(*args, _original=original, _count=counts[name], _index=index, **kwargs):
-                _count[_index] += 1
-                return _original(*args, **kwargs)
-
-            monkeypatch.setattr(backend, method, counted)
-    return counts
-
-
-@pytest.fixture
 def fresh_dynamo():
     """Every compiled test traces afresh: no cache entry of another test (or a recompile limit) in the way."""
     torch._dynamo.reset()

@@ -30,7 +30,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..backends import registry
 from ..backends.reference import ReferenceBackend
-from ..functional import _check_inputs, _check_options, _mask_view, attention
+from ..checks import _check_inputs, _check_options, _mask_view
+from ..functional import attention
 from ..problem import Problem
 from ..scores import causal_bias_variant, variant_of
 from ..varlen import _check_packed, _packed_of
@@ -119,19 +120,23 @@ class SDPARedirect(TorchFunctionMode, contextlib.ContextDecorator):
         return attention(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, backend=backend)
 
     def _backend_for(self, problem: Problem) -> str | None:
-        """The backend to run `problem` on: the one requested (here, by `use_backend` or by the
-        environment), whose refusal fused_attn raises; else the first fused backend that takes it.
-        The reference is never chosen unasked: it materialises the scores, which PyTorch's own
-        kernels do not, so PyTorch serves what no fused backend can."""
-        requested = registry.requested_backend(self.backend)
-        if requested is not None:
-            return requested
-        for name in registry.names():
-            backend = registry.get(name)
-            if name != ReferenceBackend.name and problem.device.type in backend.devices \
-                    and not registry.reasons(backend, problem):
-                return name
-        return None
+        return fused_backend_for(problem, self.backend)
+
+
+def fused_backend_for(problem: Problem, backend: str | None = None) -> str | None:
+    """The backend to run `problem` on: `backend`, else the one requested (by `use_backend` or by the
+    environment), whose refusal fused_attn raises; else the first fused backend that takes it.
+    The reference is never chosen unasked: it materialises the scores, which PyTorch's own kernels
+    do not, so PyTorch serves what no fused backend can. (Shared with `sdpa_plugin`.)"""
+    requested = registry.requested_backend(backend)
+    if requested is not None:
+        return requested
+    for name in registry.names():
+        candidate = registry.get(name)
+        if name != ReferenceBackend.name and problem.device.type in candidate.devices \
+                and not registry.reasons(candidate, problem):
+            return name
+    return None
 
 
 def redirect_sdpa(backend: str | None = None) -> SDPARedirect:
