@@ -305,5 +305,21 @@ def test_models_bench_on_a_short_prompt(capsys):
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| fp32")]
     assert [row.split("|")[2:4] for row in rows] == [
-        [f" {phase} ", f" {name} "] for phase in ("prefill", "decode") for name in ("sdpa", "fused_attn", "eager")]
+        [f" {phase} ", f" {name} "] for phase in ("prefill", "decode")
+        for name in ("sdpa", "fused_attn", "eager", "sdpa_redirect", "sdpa_plugin")]
+    assert all(row.rstrip().endswith("| yes |") for row in rows)
+    assert "sdpa_redirect time / sdpa_plugin time" in table
+
+
+def test_models_bench_runs_gpt_oss_against_eager(capsys):
+    pytest.importorskip("transformers")
+    from bench import models
+
+    assert models.main(["--model", "gpt-oss", "--length", "24", "--new-tokens", "2", "--rounds", "2",
+                        "--dtypes", "fp32"]) == 0
+    table = capsys.readouterr().out
+    assert "| eager time / this |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| fp32")]
+    assert [row.split("|")[2:4] for row in rows] == [
+        [f" {phase} ", f" {name} "] for phase in ("prefill", "decode") for name in ("eager", "fused_attn")]
     assert all(row.rstrip().endswith("| yes |") for row in rows)

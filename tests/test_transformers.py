@@ -13,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import fused_attn  # noqa: E402
 from fused_attn import testing  # noqa: E402
 from fused_attn.integrations import transformers as fused_transformers  # noqa: E402
 
@@ -30,15 +31,27 @@ CONFIGS = {
                                                 query_pre_attn_scalar=16, **COMMON),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                             attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0),
+    # Attention sinks in every layer, sliding-window and full layers alternating, a mixture of experts.
+    "gpt_oss": lambda: transformers.GptOssConfig(num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                                 num_local_experts=4, num_experts_per_tok=2,
+                                                 layer_types=["sliding_attention", "full_attention"], **COMMON),
 }
-# What each model's generation is compared with: sdpa refuses softcap.
-GENERATE_BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt2": "sdpa"}
+# What each model's generation is compared with: sdpa refuses softcap and sinks.
+GENERATE_BASELINE = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt2": "sdpa", "gpt_oss": "eager"}
 
 
 def build(name: str, attn_implementation: str = "eager"):
     torch.manual_seed(0)
     config = CONFIGS[name]()
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+    # Experts as a loop of matmuls: the grouped products take no float64 (the oracle's dtype).
+    experts = dict(experts_implementation="eager") if getattr(config, "num_local_experts", None) else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                          **experts).eval()
+    with torch.no_grad():  # sinks around the scores' scale (initialised near 0, they would hardly matter)
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(0.0, 1.5)
+    return model
 
 
 def padded_batch(generator, side: str = "left", batch: int = 3, length: int = LENGTH):
@@ -52,10 +65,11 @@ def padded_batch(generator, side: str = "left", batch: int = 3, length: int = LE
 
 
 def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                     **kwargs):
+                     s_aux=None, **kwargs):
     """The float64 oracle: eager's definition on transformers' own bool mask, in float64 throughout,
     with rows that see no key giving 0. (eager itself softmaxes float64 scores in float32, where its
-    float64 mask minimum becomes -inf: rows that see no key turn into NaN.)"""
+    float64 mask minimum becomes -inf: rows that see no key turn into NaN.) Sinks (`s_aux`, gpt-oss)
+    are one more column of the softmax, dropped before the values are weighed."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     scores = torch.einsum("bhid,bhjd->bhij", query.double(), key.double()) * scaling
@@ -63,7 +77,11 @@ def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         scores = softcap * torch.tanh(scores / softcap)
     if attention_mask is not None:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if s_aux is not None:
+        sink = s_aux.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhij,bhjd->bhid", weights, value.double()).to(query.dtype)
     return out.transpose(1, 2), None
 
@@ -122,11 +140,15 @@ def test_padded_prefill_logits_match_eager(monkeypatch, generator, name, side, d
     windows = [call["window_size"] for call in log.calls]
     if name == "mistral":
         assert windows == [(4, 0), (4, 0)]
-    elif name == "gemma2":
+    elif name in ("gemma2", "gpt_oss"):
         assert sorted(windows, key=str) == sorted([(4, 0), None], key=str)
-        assert all(call["softcap"] == 2.0 for call in log.calls)
+        if name == "gemma2":
+            assert all(call["softcap"] == 2.0 for call in log.calls)
     else:
         assert windows == [None, None]
+    # gpt-oss's sinks reach the kernels, each layer's own.
+    sinks = [call["sinks"] for call in log.calls]
+    assert all(sink is not None for sink in sinks) if name == "gpt_oss" else sinks == [None] * len(sinks)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -146,7 +168,7 @@ def test_greedy_generation_matches(monkeypatch, generator, name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "gpt_oss"])
 def test_training_step_gradients_match_eager(generator, name, dtype):
     model = build(name).train()
     ids, attention_mask = padded_batch(generator)
@@ -176,6 +198,22 @@ def test_training_passes_dropout_to_the_kernels(monkeypatch, generator):
     assert [call["dropout_p"] for call in log.calls] == [0.25, 0.25, 0.0, 0.0]
 
 
+def right_padded_mask() -> torch.Tensor:
+    """(3, LENGTH): one row unpadded, two padded at the end by 4 and 9 tokens."""
+    attention_mask = torch.ones(3, LENGTH, dtype=torch.long)
+    attention_mask[1, -4:] = 0
+    attention_mask[2, -9:] = 0
+    return attention_mask
+
+
+def encoded(model, implementation, dtype, ids, attention_mask):
+    """An encoder's last hidden state, a copy of `model` in `dtype` on `implementation`."""
+    encoder = copy.deepcopy(model).to(dtype)
+    encoder.set_attn_implementation(implementation)
+    with torch.no_grad():
+        return encoder(ids, attention_mask=attention_mask).last_hidden_state
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bert_with_padding_matches_eager(monkeypatch, generator, dtype):
     torch.manual_seed(0)
@@ -184,23 +222,71 @@ def test_bert_with_padding_matches_eager(monkeypatch, generator, dtype):
                                      attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
     model = transformers.BertModel(config, add_pooling_layer=False).eval()
     ids = torch.randint(0, VOCAB, (3, LENGTH), generator=generator)
-    attention_mask = torch.ones(3, LENGTH, dtype=torch.long)
-    attention_mask[1, -4:] = 0
-    attention_mask[2, -9:] = 0
-
-    def hidden(implementation, dtype):
-        encoder = copy.deepcopy(model).to(dtype)
-        encoder.set_attn_implementation(implementation)
-        with torch.no_grad():
-            return encoder(ids, attention_mask=attention_mask).last_hidden_state
-
-    exact, same_dtype = hidden(ORACLE, torch.float64), hidden("eager", dtype)
+    attention_mask = right_padded_mask()
+    exact, same_dtype = encoded(model, ORACLE, torch.float64, ids, attention_mask), \
+        encoded(model, "eager", dtype, ids, attention_mask)
     log = CallLog(monkeypatch)
     # Padded queries still attend to the unpadded keys, so every position is compared.
-    assert_close(hidden(NAME, dtype), exact, same_dtype, dtype, name="last_hidden_state")
+    assert_close(encoded(model, NAME, dtype, ids, attention_mask), exact, same_dtype, dtype, name="last_hidden_state")
     assert len(log.calls) == 2 and all(not call["is_causal"] for call in log.calls)
     # The padding reaches the kernels as a (B, 1, 1, L_k) view, never as an (L_q, L_k) mask.
     assert all(call["attn_mask"].shape == (3, 1, 1, LENGTH) for call in log.calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_modernbert_with_padding_matches_eager(monkeypatch, generator, dtype):
+    """ModernBERT's local layers attend within a bidirectional sliding window, a mask transformers
+    builds with keywords that once reached `sdpa_mask` twice (`allow_is_bidirectional_skip`). Global
+    and local layers both run in the kernels: the padding as a (B, 1, 1, L_k) view, the local window
+    (|i - j| <= local_attention / 2) as `window_size`."""
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                           num_hidden_layers=3, num_attention_heads=4, global_attn_every_n_layers=2,
+                                           local_attention=8, max_position_embeddings=64, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    model = transformers.ModernBertModel(config).eval()
+    ids = torch.randint(3, VOCAB, (3, LENGTH), generator=generator)
+    attention_mask = right_padded_mask()
+    exact, same_dtype = encoded(model, ORACLE, torch.float64, ids, attention_mask), \
+        encoded(model, "eager", dtype, ids, attention_mask)
+    log = CallLog(monkeypatch)
+    actual = encoded(model, NAME, dtype, ids, attention_mask)
+    # A padded query of a local layer may see no key (eager then averages the padding): compare the rest.
+    valid = attention_mask.bool()
+    assert_close(actual[valid], exact[valid], same_dtype[valid], dtype, name="last_hidden_state")
+    assert [call["window_size"] for call in log.calls] == [None, (4, 4), None]
+    assert all(call["attn_mask"].shape == (3, 1, 1, LENGTH) and not call["is_causal"] for call in log.calls)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_mask_not_the_module_says_causal(monkeypatch, generator, padded):
+    """PaliGemma's Gemma modules say `is_causal = False` (its config asks for bidirectional attention)
+    while PaliGemma builds them a causal mask: eager follows the mask, and so must fused_attn, with
+    nothing padded too (where no key padding reaches the kernels)."""
+    torch.manual_seed(0)
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
+        image_token_index=VOCAB - 1, projection_dim=64)
+    model = transformers.PaliGemmaModel(config).eval()
+    assert model.language_model.layers[0].self_attn.is_causal is False
+    ids = torch.randint(0, VOCAB - 1, (2, LENGTH), generator=generator)
+    attention_mask = torch.ones(2, LENGTH, dtype=torch.long)
+    attention_mask[1, -3:] = 0 if padded else 1
+
+    def hidden(implementation, dtype):
+        copied = copy.deepcopy(model).to(dtype)
+        copied.set_attn_implementation(implementation)
+        with torch.no_grad():
+            return copied(ids, attention_mask=attention_mask).last_hidden_state
+
+    exact, same_dtype = hidden(ORACLE, torch.float64), hidden("eager", torch.float32)
+    log = CallLog(monkeypatch)
+    assert_close(hidden(NAME, torch.float32), exact, same_dtype, torch.float32, name="last_hidden_state")
+    assert len(log.calls) == 2 and all(call["is_causal"] and call["attn_mask"] is None for call in log.calls)
+    assert all((call["key_padding_mask"] is not None) == padded for call in log.calls)
 
 
 def test_unrecognised_mask_patterns_are_built_and_read(monkeypatch, generator):
@@ -230,9 +316,28 @@ def test_registration_errors_and_refusals():
     with pytest.raises(ValueError, match="name"):
         fused_transformers.register(name="")
     query = torch.randn(1, 2, 3, 8)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        fused_transformers.attention_forward(torch.nn.Module(), query, query, query, None,
-                                             s_aux=torch.zeros(2))
+    # A 2-D mask is key padding for the keys it was built for; a module that joins keys of its own
+    # afterwards (DeepSeek-V4's compressed slots) is refused, not guessed at.
+    with pytest.raises(NotImplementedError, match="attention_mask: Module attends over 3 keys, but its mask "
+                                                  "was built for 2"):
+        fused_transformers.attention_forward(torch.nn.Module(), query, query, query, torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_s_aux_runs_as_sinks(generator):
+    """gpt-oss's `s_aux` is fused_attn's `sinks`: the same call, the same result and sink gradient."""
+    query, key, value = (torch.randn(2, 4, 6, 8, generator=generator) for _ in range(3))
+    s_aux = torch.randn(4, generator=generator, requires_grad=True)
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = fused_transformers.attention_forward(module, query, key, value, None, scaling=0.3, s_aux=s_aux)
+    expected = fused_attn.attention(query, key, value, is_causal=True, scale=0.3, sinks=s_aux.detach(),
+                                    backend="reference")
+    torch.testing.assert_close(out.transpose(1, 2), expected)
+    (grad,) = torch.autograd.grad(out.sum(), s_aux)
+    sinks = s_aux.detach().requires_grad_()
+    (expected_grad,) = torch.autograd.grad(fused_attn.attention(query, key, value, is_causal=True, scale=0.3,
+                                                                sinks=sinks, backend="reference").sum(), sinks)
+    torch.testing.assert_close(grad, expected_grad)
 
 
 def test_pinned_backend(monkeypatch, generator):
