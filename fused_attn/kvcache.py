@@ -146,6 +146,8 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
     if (key is None) != (value is None):
         raise ValueError("key, value: expected both or neither")
     len_new = 0 if key is None else key.shape[2]
+    # The keywords are checked before anything is appended: a refused call leaves the cache as it was.
+    variant = variant_of(query, "bottom_right", window_size, softcap, alibi_slopes, sinks)
 
     with torch.no_grad():
         if key is not None:
@@ -171,7 +173,6 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         len_k = capacity
         key_index = torch.arange(len_k, device=query.device)
         padding = key_index[None, :] >= lengths[:, None]
-        variant = variant_of(query, "bottom_right", window_size, softcap, alibi_slopes, sinks)
         left, right = variant.bounds(False)  # the window alone: -1 where unbounded
         if is_causal and len_q > 1:  # (one query sees no key after it: the sequence ends there)
             right = 0

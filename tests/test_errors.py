@@ -163,3 +163,42 @@ def test_module_rejects(call, error, text):
     with pytest.raises(error) as raised:
         call()
     assert text in str(raised.value)
+
+
+def _sink_calls(sinks):
+    """Every entry point that takes sinks, called with `sinks` on otherwise valid inputs."""
+    q = torch.randn(B, H, L, D)
+    packed = torch.randn(2 * L, H, D)
+    bounds = torch.tensor([0, L, 2 * L], dtype=torch.int32)
+    cache = torch.zeros(B, H, 2 * L, D)
+    lengths = torch.tensor([1, 3], dtype=torch.int32)
+    return {
+        "attention": lambda: fused_attn.attention(q, q, q, sinks=sinks),
+        "split_heads_attention": lambda: fused_attn.split_heads_attention(
+            q.flatten(2), q.flatten(2), q.flatten(2), num_heads=H, sinks=sinks),
+        "attention_varlen": lambda: fused_attn.attention_varlen(packed, packed, packed, bounds, bounds, sinks=sinks),
+        "attention_with_kvcache": lambda: fused_attn.attention_with_kvcache(q, cache, cache, cache_seqlens=lengths,
+                                                                            sinks=sinks),
+    }
+
+
+@pytest.mark.parametrize("entry", list(_sink_calls(None)))
+@pytest.mark.parametrize("sinks,error,text", [
+    (torch.zeros(H + 1), ValueError, "sinks: expected shape (H_q,) = (4,)"),
+    (torch.zeros(H, dtype=torch.bfloat16), TypeError, "sinks: expected dtype torch.float32, got torch.bfloat16"),
+    (torch.zeros(H, device="meta"), ValueError, "sinks: expected device cpu"),
+    ("0.5", TypeError, "sinks: expected None or a torch.Tensor"),
+], ids=["shape", "dtype", "device", "not a tensor"])
+def test_every_entry_point_names_bad_sinks(entry, sinks, error, text):
+    with pytest.raises(error) as raised:
+        _sink_calls(sinks)[entry]()
+    assert text in str(raised.value)
+
+
+def test_kvcache_with_bad_sinks_leaves_the_cache_as_it_was():
+    q, new = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    cache = torch.zeros(B, H, 2 * L, D)
+    lengths = torch.tensor([1, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sinks: expected shape"):
+        fused_attn.attention_with_kvcache(q, cache, cache, new, new, cache_seqlens=lengths, sinks=torch.zeros(H + 1))
+    assert (cache == 0).all()
