@@ -116,6 +116,8 @@ def workloads(models: dict, prompt, new_tokens: int):
     for name, model in models.items():
         route = ROUTES.get(name, contextlib.nullcontext)
         cache = DynamicCache(config=model.config)
+        # Sliding-window layers (gpt-oss) keep their past, so that every round can cut back to the prompt.
+        cache.activate_past_recording()
         with route():
             first = model(prompt, cache=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
             tokens[name] = [int(first[0, 0])] + greedy_steps(model, cache, first, new_tokens)

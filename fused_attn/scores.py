@@ -243,11 +243,17 @@ def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, gra
     gradient its logit gets there, grad_lse - rowsum(dO * O).
 
     `lse` is the call's log-sum-exp (the sinks in it), the heads at `heads_dim`; `out` and `grad_out` are
-    viewed with lse's shape followed by D_v. The sum runs in
-    float64 in a fixed order (a cumulative sum along each head's rows), so the result is bit-identical
-    across runs and thread counts."""
+    viewed with lse's shape followed by D_v. Each row's rowsum(dO * O) is taken in the log-sum-exp's
+    dtype, as the kernels take it (a float64 copy of O and dO would cost ten times the pass itself); the
+    terms are summed in float64 in a fixed order (a cumulative sum along each head's rows), so the
+    result is bit-identical across runs and thread counts."""
     accumulate = torch.float64
-    delta = torch.linalg.vecdot(grad_out.to(accumulate), out.to(accumulate))
+    rows = lse.dtype  # float32, or float64 for float64 inputs
+
+    def converted(tensor):  # in its own memory order (`.to` walks a transposed layout several times slower)
+        return tensor if tensor.dtype == rows else torch.empty_like(tensor, dtype=rows).copy_(tensor)
+
+    delta = torch.linalg.vecdot(converted(grad_out), converted(out)).to(accumulate)
     if grad_lse is not None:
         delta = delta - grad_lse.to(accumulate)
     shape = [1] * lse.dim()
