@@ -45,25 +45,63 @@ def generator():
 # tests that read the report are meant to run in one worker (the `static_gpu_report` xdist_group,
 # `--dist loadgroup`), but pytest 9.2 ignores the node ids xdist 3.8 rewrites for the groups
 # (pytest-dev/pytest-xdist#1386), and they spread over the workers. So the workers of one run share one
-# report: the first to ask makes it under a file lock and leaves it in the run's temporary directory,
-# where the others read it (the `static_gpu_report` fixture); the report compiles once per run.
+# report: the first worker to finish collecting starts it, and a thread of that worker leaves it in the
+# run's temporary directory, where the `static_gpu_report` fixture of every worker waits for it; the
+# report compiles once per run, beside the tests from the start (a worker that waited for it to begin
+# compiling would leave a core idle for minutes).
 _pending_report = None
+_report_writer = None
 STATIC_REPORT_GROUP = pytest.mark.xdist_group("static_gpu_report")
+_SHARED_REPORT, _SHARED_REPORT_STARTED = "static_gpu_report.json", "static_gpu_report.started"
+
+
+def _run_directory(config):
+    """The directory every xdist worker of this run shares: the parent of each worker's own base."""
+    return config._tmp_path_factory.getbasetemp().parent
+
+
+def _write_shared_report(pending, path) -> None:
+    import dataclasses
+    import json
+
+    try:
+        report = pending.result()
+    except Exception as error:  # a hung compiler: the waiting fixtures get the reason, not a hang
+        report = dict(rows=[], missing={}, returncode=-1, stderr=f"bench.inspect did not finish: {error!r}")
+    else:
+        report = dataclasses.asdict(report)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(report))
+    partial.rename(path)  # whole or absent, for the readers
 
 
 def pytest_collection_finish(session):
-    global _pending_report
-    if hasattr(session.config, "workerinput"):  # an xdist worker
+    global _pending_report, _report_writer
+    if session.config.option.collectonly or \
+            not any("static_gpu_report" in getattr(item, "fixturenames", ()) for item in session.items):
         return
-    if any("static_gpu_report" in getattr(item, "fixturenames", ()) for item in session.items) \
-            and not session.config.option.collectonly:
-        from bench import inspect
+    from bench import inspect
 
+    if not hasattr(session.config, "workerinput"):  # one process: this session is the run
         _pending_report = inspect.start_json()
+        return
+    import threading
+
+    shared = _run_directory(session.config)
+    try:
+        (shared / _SHARED_REPORT_STARTED).touch(exist_ok=False)
+    except FileExistsError:  # another worker runs it
+        return
+    _pending_report = inspect.start_json()
+    _report_writer = threading.Thread(target=_write_shared_report, args=(_pending_report, shared / _SHARED_REPORT),
+                                      daemon=True)
+    _report_writer.start()
 
 
 def pytest_sessionfinish(session):
-    if _pending_report is not None:
+    if _report_writer is not None:
+        _report_writer.join()  # the other workers may still wait for it
+    elif _pending_report is not None:
         _pending_report.cancel()  # a run that stopped before any test needed it
 
 
@@ -71,25 +109,22 @@ def pytest_sessionfinish(session):
 def static_gpu_report(request, tmp_path_factory):
     """`python -m bench.inspect --json` (every Triton and CUDA kernel compiled for sm_80 and sm_90),
     run once per test run in a child process: a bench.inspect.JsonRun. Under pytest-xdist the workers
-    share it through a file in the run's own temporary directory (xdist's recipe for session fixtures
-    run once), made by the first worker that asks while the others wait on its lock."""
+    share it through a file in the run's own temporary directory, written by the worker that started
+    it when its collection finished (pytest_collection_finish)."""
+    import json
+    import time
+
     from bench import inspect
 
     if not hasattr(request.config, "workerinput"):  # one process: this session is the run
         return (_pending_report or inspect.start_json()).result()
-    import dataclasses
-    import json
-
-    from filelock import FileLock  # a dependency of torch
-
-    shared = tmp_path_factory.getbasetemp().parent  # the run's directory, parent of every worker's own
-    cached = shared / "static_gpu_report.json"
-    with FileLock(str(shared / "static_gpu_report.lock")):
-        if cached.exists():
-            return inspect.JsonRun(**json.loads(cached.read_text()))
-        report = inspect.start_json().result()
-        cached.write_text(json.dumps(dataclasses.asdict(report)))
-        return report
+    cached = _run_directory(request.config) / _SHARED_REPORT
+    deadline = time.monotonic() + 3600  # as PendingJsonRun.result's own limit
+    while not cached.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the static GPU report was not written to {cached} within an hour")
+        time.sleep(1.0)
+    return inspect.JsonRun(**json.loads(cached.read_text()))
 
 
 @pytest.fixture(scope="session")
