@@ -66,4 +66,7 @@ TORCH_LIBRARY(fused_attn, m) {
       "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor out, Tensor lse, Tensor grad_out, "
       "Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
       "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> (Tensor, Tensor, Tensor)");
+  // rowsum(a * b) over the last dimension (CPU): float32, float64 for float64 inputs; a and b of one shape
+  // and dtype, any strides. The per-row term of the sinks' gradient (fused_attn/scores.py).
+  m.def("row_dots(Tensor a, Tensor b) -> Tensor");
 }

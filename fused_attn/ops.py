@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import _extension
 from .backends import registry
 from .dropout import Dropout, check_rng
 from .problem import lse_dtype, output_like
@@ -162,3 +163,8 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+if _extension._C is not None:
+    @torch.library.register_fake("fused_attn::row_dots")
+    def _row_dots_fake(a, b):
+        return a.new_empty(a.shape[:-1], dtype=lse_dtype(a.dtype))

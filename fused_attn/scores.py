@@ -38,6 +38,8 @@ import numbers
 import torch
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
+from . import _extension
+
 UNBOUNDED = -1
 ALIGNMENTS = ("top_left", "bottom_right")
 # What a backend may declare it takes (Backend.takes_score_variants).
@@ -237,6 +239,20 @@ def with_sinks(lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None,
     return (out.to(factor.dtype) * factor.unsqueeze(-1)).to(out.dtype), merged
 
 
+def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """rowsum(a * b) over the last dimension, in float32 (float64 for float64 inputs), as the kernels take
+    it: on the CPU one pass of the extension's `row_dots` over both (each row summed in a fixed order);
+    elsewhere both converted, each in its own memory order (`.to` walks a transposed layout slower)."""
+    if a.device.type == "cpu" and _extension._C is not None:
+        return torch.ops.fused_attn.row_dots(a, b)
+    rows = lse_dtype(a.dtype)
+
+    def converted(tensor):
+        return tensor if tensor.dtype == rows else torch.empty_like(tensor, dtype=rows).copy_(tensor)
+
+    return torch.linalg.vecdot(converted(a), converted(b))
+
+
 def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
                   grad_lse: torch.Tensor | None, heads_dim: int = 1) -> torch.Tensor:
     """d loss / d sinks, (H_q,) of the sinks' dtype: the sink's weight in each row, p = exp(sink - lse), times the
@@ -248,12 +264,7 @@ def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, gra
     terms are summed in float64 in a fixed order (a cumulative sum along each head's rows), so the
     result is bit-identical across runs and thread counts."""
     accumulate = torch.float64
-    rows = lse.dtype  # float32, or float64 for float64 inputs
-
-    def converted(tensor):  # in its own memory order (`.to` walks a transposed layout several times slower)
-        return tensor if tensor.dtype == rows else torch.empty_like(tensor, dtype=rows).copy_(tensor)
-
-    delta = torch.linalg.vecdot(converted(grad_out), converted(out)).to(accumulate)
+    delta = _row_dots(grad_out.to(out.dtype), out).to(accumulate)
     if grad_lse is not None:
         delta = delta - grad_lse.to(accumulate)
     shape = [1] * lse.dim()

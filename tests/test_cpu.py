@@ -596,3 +596,19 @@ def test_long_sequences_meet_criterion(generator, dtype, causal):
     grad_out = torch.randn(q.shape, generator=generator).to(dtype)
     grads = flash_backward(q, k, v, None, None, causal, None, out, lse, grad_out)
     testing.check_against_reference(testing.Results(out, lse, *grads), q, k, v, grad_out, is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_dots_of_any_layout(generator, dtype):
+    """The sinks' per-row term: rowsum(a * b) for rows laid out differently (a transposed, b broadcast
+    along a leading dimension, c with a last dimension of stride 2), against float64."""
+    a = torch.randn(3, 37, 4, 70, generator=generator).to(dtype).transpose(1, 2)
+    b = torch.randn(3, 1, 37, 70, generator=generator).to(dtype).expand(3, 4, 37, 70)
+    c = torch.randn(3, 4, 37, 140, generator=generator).to(dtype)[..., ::2]
+    for x, y in ((a, b), (b, c), (c, a)):
+        got = torch.ops.fused_attn.row_dots(x, y)
+        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        exact = (x.double() * y.double()).sum(-1)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-4)
+    with pytest.raises(RuntimeError, match="row_dots: b: expected the shape of a"):
+        torch.ops.fused_attn.row_dots(a, b[..., :3])
