@@ -125,8 +125,8 @@ def _cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_cau
 
 
 def _flash_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, window_left,
-                window_right):
-    """(backend, variant) to serve a call of flash-attn's operators on (B, L, H, D) or packed
+                window_right, scale):
+    """(backend, variant, scale) to serve a call of flash-attn's operators on (B, L, H, D) or packed
     (total, H, D) tensors, or None to leave it to PyTorch."""
     # Dropout: flash-attn's kernel drops the elements its Philox counters select for the rng state
     # it returns, and its backward regenerates them from that state; fused_attn's kernels select
@@ -156,7 +156,7 @@ def _flash_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p
     except (TypeError, ValueError):
         return None
     backend = _backend(problem)
-    return None if backend is None else (backend, variant)
+    return None if backend is None else (backend, variant, _scale(scale, query))
 
 
 def _flash_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
@@ -167,11 +167,10 @@ def _flash_run(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
     if return_debug_mask or seqused_k is not None or block_table is not None or alibi_slopes is not None:
         return None
     call = _flash_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                       window_size_left, window_size_right)
+                       window_size_left, window_size_right, scale)
     if call is None:
         return None
-    backend, variant = call
-    scale = _scale(scale, query)
+    backend, variant, scale = call
     out = torch.empty_like(query) if out is None else out
     if cum_seq_q is None:
         q, k, v, o = (t.transpose(1, 2) for t in (query, key, value, out))  # fused_attn's (B, H, L, D) views
@@ -187,11 +186,10 @@ def _flash_grads(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq
                  is_causal, scale, window_size_left, window_size_right):
     """The gradients of a served flash backward, laid out as query, key and value; None otherwise."""
     call = _flash_call(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
-                       window_size_left, window_size_right)
+                       window_size_left, window_size_right, scale)
     if call is None:
         return None
-    backend, variant = call
-    scale = _scale(scale, query)
+    backend, variant, scale = call
     if cum_seq_q is None:
         q, k, v, o, do = (t.transpose(1, 2) for t in (query, key, value, out, grad_out))
         grads = [g.transpose(1, 2) for g in backend.backward(q, k, v, None, None, is_causal, scale, o, logsumexp,
