@@ -14,7 +14,9 @@
 // -slope * |i + offset - j|. sinks, (H_q,) contiguous, of the lse's dtype (forward ops only): one logit per query head
 // that joins every row's softmax and carries no value, so lse_i = log(exp(sinks[h]) + sum_j exp(s_ij)) and
 // out_i = sum_j exp(s_ij - lse_i) v_j; a row that sees no key gives 0 and lse sinks[h]. The backward
-// needs no sinks: the lse it is given includes them.
+// needs no sinks: the lse it is given includes them. block_tiles and block_bits, both or neither, are a mask
+// program (csrc/block_mask.h): its tile states (B, H_q, ⌈L_q/128⌉, ⌈L_k/128⌉) and its partial tiles' bits; what it
+// hides adds to what the rest of the call hides. The varlen ops do not take one yet.
 
 #include <Python.h>
 #include <torch/library.h>
@@ -34,13 +36,15 @@ TORCH_LIBRARY(fused_attn, m) {
       "flash_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, float dropout_p=0., "
       "Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
-      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, Tensor? sinks=None) -> Tensor");
+      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, Tensor? block_tiles=None, "
+      "Tensor? block_bits=None, Tensor? sinks=None) -> Tensor");
   m.def(
       "flash_backward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor out, Tensor lse, "
       "Tensor grad_out, Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, "
       "Tensor(b!)? grad_mask=None, int window_left=-1, int window_right=-1, bool bottom_right=False, "
-      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> (Tensor, Tensor, Tensor)");
+      "float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, Tensor? block_tiles=None, "
+      "Tensor? block_bits=None) -> (Tensor, Tensor, Tensor)");
   // The forward over a paged key/value cache (CPU): key and value are blocks (num_blocks, block_size,
   // H_kv, D), any strides, and key j of sequence b lies in block block_table[b, j / block_size] (int32
   // (B, max_blocks)), at row j % block_size; the call's L_k is max_blocks * block_size, and blocks past
@@ -49,7 +53,7 @@ TORCH_LIBRARY(fused_attn, m) {
       "paged_forward(Tensor query, Tensor k_blocks, Tensor v_blocks, Tensor block_table, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, int window_left=-1, "
       "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, "
-      "Tensor? sinks=None) -> Tensor");
+      "Tensor? block_tiles=None, Tensor? block_bits=None, Tensor? sinks=None) -> Tensor");
   // A packed batch (fused_attn/varlen.py; CUDA): query (total_q, H_q, D_qk), key (total_k, H_kv, D_qk),
   // value (total_k, H_kv, D_v), any strides; sequence b is tokens cu_seqlens[b] .. cu_seqlens[b + 1]
   // (int32 or int64 (B + 1,), on the tensors' device); max_seqlen_* the longest sequences, -1 if not
@@ -60,12 +64,13 @@ TORCH_LIBRARY(fused_attn, m) {
       "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor(a!) out, Tensor(b!) lse, "
       "float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
       "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, "
-      "Tensor? sinks=None) -> ()");
+      "Tensor? block_tiles=None, Tensor? block_bits=None, Tensor? sinks=None) -> ()");
   m.def(
       "flash_backward_varlen(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool is_causal, float scale, Tensor out, Tensor lse, Tensor grad_out, "
       "Tensor? grad_lse, float dropout_p=0., Tensor? dropout_rng=None, int window_left=-1, int window_right=-1, "
-      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0) -> (Tensor, Tensor, Tensor)");
+      "bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, Tensor? block_tiles=None, "
+      "Tensor? block_bits=None) -> (Tensor, Tensor, Tensor)");
   // rowsum(a * b) over the last dimension (CPU): float32, float64 for float64 inputs; a and b of one shape
   // and dtype, any strides. The per-row term of the sinks' gradient (fused_attn/scores.py).
   m.def("row_dots(Tensor a, Tensor b) -> Tensor");

@@ -17,7 +17,8 @@ namespace {
 using FlashForward = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, bool, double,
                                 const at::Tensor&, double, const std::optional<at::Tensor>&, int64_t, int64_t, bool,
-                                double, const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&);
+                                double, const std::optional<at::Tensor>&, int64_t, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 
 const at::Tensor& tensor_argument(PyObject* object, const char* name) {
   TORCH_CHECK_TYPE(THPVariable_Check(object), "plain_forward: ", name, ": expected a torch.Tensor");
@@ -51,7 +52,7 @@ PyObject* plain_forward(PyObject* /*module*/, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   lse = forward.call(query, key, value, std::nullopt, std::nullopt, is_causal != 0, scale, out, 0.0, std::nullopt,
                      window_left, window_right, bottom_right != 0, softcap, std::nullopt, diagonal_shift,
-                     std::nullopt);
+                     std::nullopt, std::nullopt, std::nullopt);
   Py_END_ALLOW_THREADS
   PyObject* result = PyTuple_New(2);
   if (result == nullptr) return nullptr;

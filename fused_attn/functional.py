@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad
 
-from . import ops, plans
+from . import masks, ops, plans
 from .backends import reference, registry
 from .checks import (_check_generator, _check_inputs, _check_key_padding_mask, _check_options, _check_tensor,
                      _mask_view, _padding_of, _refuse_forward_mode_ad)
@@ -33,6 +33,7 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
             raise ValueError("attn_mask: a CausalBias already makes the call causal; pass is_causal=False")
         attn_mask, is_causal, causal_alignment = None, True, bias_alignment
     variant = variant_of(query, causal_alignment, window_size, softcap, alibi_slopes, sinks)
+    attn_mask, variant = masks.with_program(attn_mask, variant, query, key)
     mask = _mask_view(attn_mask, query, key)
     _check_key_padding_mask(key_padding_mask, query, key)
     mask, key_padding_mask = _padding_of(mask, key_padding_mask)
@@ -69,7 +70,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         attn_mask: bool (True = attend) or additive, of query's dtype, broadcastable to
             (B, H_q, L_q, L_k); or one of PyTorch's `torch.nn.attention.bias.CausalBias` objects
             (`causal_upper_left`, `causal_lower_right`), which run as `is_causal` with their
-            alignment, without a mask in memory.
+            alignment, without a mask in memory; or a mask program (`fused_attn.masks.mask_program`),
+            or FlexAttention's `BlockMask`, run at the cost of the tiles they keep.
         dropout_p: dropout on the attention weights (applied whenever > 0, as in SDPA): kept weights
             are scaled by 1 / (1 - dropout_p). Which elements are dropped depends only on the
             generator's state and the element's (b, h, i, j), the same on every backend

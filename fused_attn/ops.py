@@ -40,11 +40,11 @@ def _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scal
 
 def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
              seq_first, backend, window_left=-1, window_right=-1, bottom_right=False, softcap=0.0,
-             alibi_slopes=None, diagonal_shift=0, sinks=None):
+             alibi_slopes=None, diagonal_shift=0, block_tiles=None, block_bits=None, sinks=None):
     return _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
                         _dropout(dropout_p, dropout_rng, query), seq_first, backend,
                         from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
-                                     sinks))
+                                     block_tiles, block_bits, sinks))
 
 
 @torch.library.custom_op("fused_attn::attention_fwd", mutates_args=())
@@ -53,15 +53,16 @@ def attention_fwd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
                   dropout_rng: Optional[Tensor], seq_first: bool, backend: str, window_left: int = -1,
                   window_right: int = -1, bottom_right: bool = False, softcap: float = 0.0,
                   alibi_slopes: Optional[Tensor] = None, diagonal_shift: int = 0,
+                  block_tiles: Optional[Tensor] = None, block_bits: Optional[Tensor] = None,
                   sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(B, H_q, L_q, D_v) output, laid out as in `output_like`, and its log-sum-exp (B, H_q, L_q).
 
     `dropout_rng` is the call's (seed, offset, query_start, key_start), int64 (4,) (fused_attn.dropout),
-    when dropout_p > 0. The last seven arguments are the call's fused_attn.scores.ScoreVariant (`op_args`).
+    when dropout_p > 0. The last nine arguments are the call's fused_attn.scores.ScoreVariant (`op_args`).
     """
     return _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                     dropout_rng, seq_first, backend, window_left, window_right, bottom_right, softcap,
-                    alibi_slopes, diagonal_shift, sinks)
+                    alibi_slopes, diagonal_shift, block_tiles, block_bits, sinks)
 
 
 def needs_op(*tensors: Optional[Tensor]) -> bool:
@@ -81,7 +82,8 @@ def needs_op(*tensors: Optional[Tensor]) -> bool:
 def attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng,
               seq_first, backend, variant):
     """`attention_fwd`, called as the op where `needs_op`, else as its body: same result."""
-    if needs_op(query, key, value, attn_mask, key_padding_mask, variant.alibi_slopes, variant.sinks):
+    if needs_op(query, key, value, attn_mask, key_padding_mask, variant.alibi_slopes, variant.sinks,
+                variant.block_tiles):
         return attention_fwd(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                              dropout_rng, seq_first, backend, *variant.op_args())
     return _run_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale,
@@ -91,7 +93,8 @@ def attention(query, key, value, attn_mask, key_padding_mask, is_causal, scale, 
 @attention_fwd.register_fake
 def _attention_fwd_fake(query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p,
                         dropout_rng, seq_first, backend, window_left=-1, window_right=-1, bottom_right=False,
-                        softcap=0.0, alibi_slopes=None, diagonal_shift=0, sinks=None):
+                        softcap=0.0, alibi_slopes=None, diagonal_shift=0, block_tiles=None, block_bits=None,
+                        sinks=None):
     out = output_like(query, value.shape[-1], seq_first)
     lse = query.new_empty(query.shape[:-1], dtype=lse_dtype(query.dtype))
     return out, lse
@@ -104,12 +107,15 @@ def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, k
                   dropout_rng: Optional[Tensor], backend: str, mask_grad: bool = False,
                   window_left: int = -1, window_right: int = -1, bottom_right: bool = False,
                   softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-                  diagonal_shift: int = 0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  diagonal_shift: int = 0, block_tiles: Optional[Tensor] = None,
+                  block_bits: Optional[Tensor] = None,
+                  sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients with respect to query, key, value and, with `mask_grad`, the (additive) mask as the
     kernels see it, (B, H_q, L_q, L_k); without, an empty tensor in its place. (The sinks' gradient
     needs only `out`, `lse` and `grad_out`: fused_attn.scores.sink_gradient.)"""
     grad_mask = _new_grad_mask(query, attn_mask, mask_grad)
-    variant = from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks)
+    variant = from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+                           block_bits, sinks)
     grads = registry.get(backend).backward(query, key, value, attn_mask, key_padding_mask, is_causal,
                                            scale, out, lse, grad_out, grad_lse,
                                            _dropout(dropout_p, dropout_rng, query),
@@ -129,17 +135,18 @@ def _new_grad_mask(query: Tensor, attn_mask: Optional[Tensor], mask_grad: bool) 
 def _attention_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask,
                         is_causal, scale, dropout_p, dropout_rng, backend, mask_grad=False, window_left=-1,
                         window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None, diagonal_shift=0,
-                        sinks=None):
+                        block_tiles=None, block_bits=None, sinks=None):
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
             _new_grad_mask(query, attn_mask, mask_grad))
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, attn_mask, key_padding_mask, is_causal, scale, dropout_p, dropout_rng, _, backend,
-     window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks) = inputs
+     window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles, block_bits,
+     sinks) = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng, alibi_slopes,
-                          sinks)
+                          block_tiles, block_bits, sinks)
     ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
     ctx.variant_args = (window_left, window_right, bottom_right, softcap)
     ctx.diagonal_shift = diagonal_shift
@@ -147,19 +154,20 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng, alibi_slopes, sinks = ctx.saved_tensors
+    (query, key, value, out, lse, attn_mask, key_padding_mask, dropout_rng, alibi_slopes, block_tiles, block_bits,
+     sinks) = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     mask_grad = bool(ctx.needs_input_grad[3])
     grad_query, grad_key, grad_value, grad_mask = attention_bwd(
         grad_out, grad_lse, query, key, value, out, lse, attn_mask, key_padding_mask, ctx.is_causal,
         ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, mask_grad, *ctx.variant_args, alibi_slopes,
-        ctx.diagonal_shift, sinks)
+        ctx.diagonal_shift, block_tiles, block_bits, sinks)
     # (needs_input_grad covers the arguments given: sinks, the last, are given when they are not None.)
-    wants_sinks = sinks is not None and ctx.needs_input_grad[17]
+    wants_sinks = sinks is not None and ctx.needs_input_grad[19]
     grad_sinks = sink_gradient(sinks, lse, out, grad_out, grad_lse) if wants_sinks else None
     return (grad_query, grad_key, grad_value, grad_mask if mask_grad else None,
-            None, None, None, None, None, None, None, None, None, None, None, None, None, grad_sinks)
+            *(None,) * 15, grad_sinks)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -115,7 +115,7 @@ def _direct_args(backend: Backend, variant: ScoreVariant) -> tuple | None:
     extension's own (the plain call then goes to `_C.plain_forward`, which allocates the output itself)."""
     if _extension._C is None or type(backend).forward is not ExtensionBackend.forward:
         return None
-    window_left, window_right, bottom_right, softcap, _, diagonal_shift = variant.score_args()  # no ALiBi here
+    window_left, window_right, bottom_right, softcap, _, diagonal_shift, _, _ = variant.score_args()  # no ALiBi here
     return window_left, window_right, bottom_right, softcap, diagonal_shift
 
 

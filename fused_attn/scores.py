@@ -43,7 +43,7 @@ from . import _extension
 UNBOUNDED = -1
 ALIGNMENTS = ("top_left", "bottom_right")
 # What a backend may declare it takes (Backend.takes_score_variants).
-FEATURES = ("bottom_right", "window", "softcap", "alibi", "sinks")
+FEATURES = ("bottom_right", "window", "softcap", "alibi", "sinks", "mask_program")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,6 +58,10 @@ class ScoreVariant:
     alibi_slopes: torch.Tensor | None = None
     diagonal_shift: int = 0  # added to the alignment's offset (an integer causal_alignment)
     sinks: torch.Tensor | None = None  # (H_q,) in lse_dtype (float32; float64 for float64 inputs), contiguous
+    # A mask program at the kernels' tiling (fused_attn.masks.TILE): int32 tile states (B, H_q, ⌈L_q/TILE⌉,
+    # ⌈L_k/TILE⌉), stride 0 where they broadcast, and the int32 bits of its partial tiles (P, TILE, TILE/32).
+    block_tiles: torch.Tensor | None = None
+    block_bits: torch.Tensor | None = None
 
     def offset(self, len_q: int, len_k: int) -> int:
         """Key index of query 0's diagonal."""
@@ -82,13 +86,15 @@ class ScoreVariant:
             names.append("alibi")
         if self.sinks is not None:
             names.append("sinks")
+        if self.block_tiles is not None:
+            names.append("mask_program")
         return tuple(names)
 
     def score_args(self) -> tuple:
-        """(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift): what the
-        scores of a key take, the flat arguments of the kernels' backward."""
+        """(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+        block_bits): what the scores of a key take, the flat arguments of the kernels' backward."""
         return (self.window_left, self.window_right, self.bottom_right, self.softcap, self.alibi_slopes,
-                self.diagonal_shift)
+                self.diagonal_shift, self.block_tiles, self.block_bits)
 
     def op_args(self) -> tuple:
         """`score_args` and the sinks: the flat arguments of the forward ops and of the Python ops."""
@@ -99,9 +105,10 @@ PLAIN = ScoreVariant()
 
 
 def from_op_args(window_left: int, window_right: int, bottom_right: bool, softcap: float,
-                 alibi_slopes: torch.Tensor | None, diagonal_shift: int = 0,
-                 sinks: torch.Tensor | None = None) -> ScoreVariant:
-    return ScoreVariant(bottom_right, window_left, window_right, softcap, alibi_slopes, diagonal_shift, sinks)
+                 alibi_slopes: torch.Tensor | None, diagonal_shift: int = 0, block_tiles: torch.Tensor | None = None,
+                 block_bits: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> ScoreVariant:
+    return ScoreVariant(bottom_right, window_left, window_right, softcap, alibi_slopes, diagonal_shift, sinks,
+                        block_tiles, block_bits)
 
 
 def _window(window_size) -> tuple[int, int]:

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from . import masks
 from .backends import reference
 from .dropout import Dropout, keep_mask, next_rng, peek_rng, shifted_rng
 from .scores import PLAIN, ScoreVariant, lse_dtype, sink_gradient, variant_of
@@ -129,6 +130,8 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
         dropout = Dropout(dropout.p, dropout.rng.cpu())
     if variant.alibi_slopes is not None:
         variant = dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes.cpu())
+    if variant.block_tiles is not None:
+        variant = dataclasses.replace(variant, block_tiles=variant.block_tiles.cpu(), block_bits=variant.block_bits.cpu())
     sinks = None
     if variant.sinks is not None:  # kept in their own dtype (float32) but for float64, as the kernels take them
         sinks = variant.sinks.detach().to("cpu", lse_dtype(dtype)).requires_grad_(wants_grad)
@@ -242,6 +245,7 @@ class Case:
     softcap: float = 0.0
     alibi: str | None = None         # ALiBi slopes of shape "heads" (H_q,) or "batch" (B, H_q)
     sinks: bool = False              # a learned sink logit per query head (fused_attn.scores)
+    program: str | None = None       # a mask program of one of PROGRAM_KINDS (fused_attn.masks), drawn at random
 
     @property
     def value_dim(self) -> int:
@@ -296,6 +300,76 @@ SINK_CASES = {
                                                  causal_alignment="bottom_right", window=(100, 0), alibi="heads",
                                                  mask="bool", mask_shape="batch", hidden_rows=True, sinks=True),
 }
+
+
+# Mask programs (fused_attn.masks) drawn at random by `random_program`; "documents" pairs differ between
+# queries and keys when L_q != L_k (documents of queries may then have no key: rows that see nothing).
+PROGRAM_KINDS = ("documents_causal", "documents", "prefix_lm", "chunks_causal", "function", "per_head_function",
+                 "documents_or_window")
+
+# Mask programs with the other features, several tiles (masks.TILE) each way: every backend's tests run them.
+PROGRAM_CASES = {
+    "program_documents_causal_gqa_dropout_lse_grad": Case(heads_q=4, heads_kv=2, len_q=300, len_k=300, dim_qk=16,
+                                                          program="documents_causal", dropout_p=0.2, lse_grad=True),
+    "program_prefix_lm_padding_softcap": Case(len_q=260, len_k=260, program="prefix_lm", key_padding=True, softcap=3.0),
+    "program_chunks_alibi_window": Case(len_q=290, len_k=290, program="chunks_causal", alibi="heads", window=(150, 0),
+                                        is_causal=True, dim_qk=24, dim_v=8),
+    "program_per_head_bottom_right_sinks": Case(len_q=140, len_k=390, program="per_head_function", is_causal=True,
+                                                causal_alignment="bottom_right", sinks=True, lse_grad=True),
+    "program_documents_hidden_rows": Case(len_q=270, len_k=200, program="documents", hidden_rows=True, lse_grad=True),
+    "program_function_window_integer_offset": Case(len_q=200, len_k=330, program="function", causal_alignment=60,
+                                                   window=(100, 40), alibi="batch"),
+    "program_documents_or_window_decode": Case(len_q=3, len_k=400, heads_q=4, heads_kv=1, program="documents_or_window"),
+}
+
+
+def _document_ids(length: int, generator) -> torch.Tensor:
+    """Ids of up to six documents of random lengths (some empty) over `length` tokens."""
+    count = int(torch.randint(1, 7, (), generator=generator))
+    cuts = torch.sort(torch.randint(0, length + 1, (count - 1,), generator=generator)).values
+    return torch.searchsorted(cuts, torch.arange(length), right=True)
+
+
+def random_program(case: Case, generator, device="cpu") -> masks.MaskProgram:
+    """A random mask program of `case.program` (PROGRAM_KINDS) for the case's (B, H_q, L_q, L_k); with
+    `case.hidden_rows`, every third query row sees no key."""
+    kind, batch, heads, len_q, len_k = case.program, case.batch, case.heads_q, case.len_q, case.len_k
+
+    def ids_pair():
+        if len_q == len_k:
+            ids = torch.stack([_document_ids(len_q, generator) for _ in range(batch)])
+            return ids, None
+        return (torch.stack([_document_ids(len_q, generator) for _ in range(batch)]),
+                torch.stack([_document_ids(len_k, generator) for _ in range(batch)]))
+
+    per_batch, per_head = batch, None
+    if kind in ("documents_causal", "documents", "documents_or_window"):
+        mask = masks.documents(*ids_pair())
+        if kind == "documents_causal":
+            mask = mask & masks.causal(case.causal_alignment)
+        elif kind == "documents_or_window":
+            mask = mask | masks.sliding_window(int(torch.randint(0, 60, (), generator=generator)), 0, "bottom_right")
+    elif kind == "prefix_lm":
+        mask = masks.prefix_lm(torch.randint(0, len_k + 1, (batch,), generator=generator))
+    elif kind == "chunks_causal":
+        mask = masks.chunks(int(torch.randint(1, 200, (), generator=generator))) & masks.causal()
+        per_batch = None
+    elif kind in ("function", "per_head_function"):
+        a, m = (int(v) for v in torch.randint(1, 9, (2,), generator=generator))
+        t = int(torch.randint(0, m + 1, (), generator=generator))
+        if kind == "function":
+            def mask(b, h, q_idx, kv_idx):
+                return ((q_idx // 37 * a + kv_idx // 29 + b) % (m + 1) < t) | (q_idx // 64 == kv_idx // 96)
+        else:
+            per_head = heads
+
+            def mask(b, h, q_idx, kv_idx):
+                return ((q_idx // 50 + kv_idx // (20 + 10 * h)) % (m + 1)) <= (t + h) % (m + 1)
+    else:
+        raise ValueError(f"case.program: expected one of {PROGRAM_KINDS}, got {kind!r}")
+    if case.hidden_rows:
+        mask = masks.mask_function(mask) & masks.mask_function(lambda b, h, q_idx, kv_idx: q_idx % 3 != 0)
+    return masks.mask_program(mask, per_batch, per_head, len_q, len_k, device="cpu").to(device)
 
 
 def rotated_layouts(rotation: int) -> dict[str, str]:
@@ -363,6 +437,7 @@ class Inputs:
     dropout_seed: int = 0                  # seeds the generator that dropout draws from
     alibi_slopes: torch.Tensor | None = None  # (H_q,) or (B, H_q) float32
     sinks: torch.Tensor | None = None  # (H_q,) float32 (float64 for float64 inputs)
+    program: masks.MaskProgram | None = None  # given as attn_mask (then attn_mask is None)
 
     def variant_keywords(self) -> dict:
         """The score variant as `attention`'s keywords."""
@@ -371,8 +446,13 @@ class Inputs:
                     softcap=case.softcap or None, alibi_slopes=self.alibi_slopes, sinks=self.sinks)
 
     def variant(self) -> ScoreVariant:
-        """The ScoreVariant the call makes of `variant_keywords()`."""
-        return variant_of(self.query, **self.variant_keywords())
+        """The ScoreVariant the call makes of `variant_keywords()` and the program."""
+        variant = variant_of(self.query, **self.variant_keywords())
+        return masks.with_program(self.program, variant, self.query, self.key)[1]
+
+    def call_mask(self):
+        """What the call passes as attn_mask: the mask tensor or the program."""
+        return self.program if self.program is not None else self.attn_mask
 
     @property
     def dtype(self) -> torch.dtype:
@@ -450,7 +530,11 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
         sinks = torch.randn(case.heads_q, generator=generator) * 2.0
         sinks[0] += 4.0
         sinks = sinks.to(device, lse_dtype(dtype))
-    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding, dropout_seed, slopes, sinks)
+    program = None
+    if case.program is not None:
+        program = random_program(case, generator, device)
+    return Inputs(case, query, key, value, out, grad_out, grad_lse, mask, padding, dropout_seed, slopes, sinks,
+                  program)
 
 
 def reference_for(inputs: Inputs, dtype: torch.dtype) -> Results:
@@ -539,7 +623,7 @@ def run_attention(inputs: Inputs, backend: str) -> Results:
 
     case = inputs.case
     q, k, v = (t.detach().requires_grad_() for t in (inputs.query, inputs.key, inputs.value))
-    mask = inputs.attn_mask
+    mask = inputs.call_mask()
     if case.mask_grad:
         mask = mask.detach().requires_grad_()
     keywords = inputs.variant_keywords()

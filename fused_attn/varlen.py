@@ -108,14 +108,15 @@ def _new_outputs(query, value) -> tuple[Tensor, Tensor]:
 
 def _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                     dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes,
-                    diagonal_shift, sinks=None):
+                    diagonal_shift, block_tiles=None, block_bits=None, sinks=None):
     _check_op_args(query, key, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, dropout_rng,
                    alibi_slopes)
     out, lse = _new_outputs(query, value)
     registry.get(backend).forward_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
         _dropout(dropout_p, dropout_rng),
-        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks))
+        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+                     block_bits, sinks))
     return out, lse
 
 
@@ -124,17 +125,18 @@ def varlen_fwd(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, 
                max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float, dropout_p: float,
                dropout_rng: Optional[Tensor], backend: str, window_left: int = -1, window_right: int = -1,
                bottom_right: bool = False, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-               diagonal_shift: int = 0, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+               diagonal_shift: int = 0, block_tiles: Optional[Tensor] = None, block_bits: Optional[Tensor] = None,
+               sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Packed output (total_q, H_q, D_v) and log-sum-exp (H_q, total_q); max_seqlen -1: not given."""
     return _varlen_forward(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                            scale, dropout_p, dropout_rng, backend, window_left, window_right, bottom_right, softcap,
-                           alibi_slopes, diagonal_shift, sinks)
+                           alibi_slopes, diagonal_shift, block_tiles, block_bits, sinks)
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                      dropout_p, dropout_rng, backend, window_left=-1, window_right=-1, bottom_right=False,
-                     softcap=0.0, alibi_slopes=None, diagonal_shift=0, sinks=None):
+                     softcap=0.0, alibi_slopes=None, diagonal_shift=0, block_tiles=None, block_bits=None, sinks=None):
     return _new_outputs(query, value)
 
 
@@ -144,27 +146,30 @@ def varlen_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key:
                max_seqlen_k: int, is_causal: bool, scale: float, dropout_p: float, dropout_rng: Optional[Tensor],
                backend: str, window_left: int = -1, window_right: int = -1, bottom_right: bool = False,
                softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
-               diagonal_shift: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+               diagonal_shift: int = 0, block_tiles: Optional[Tensor] = None,
+               block_bits: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Packed gradients of query, key and value."""
     return registry.get(backend).backward_varlen(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
         grad_out, grad_lse, _dropout(dropout_p, dropout_rng),
-        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift))
+        from_op_args(window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+                     block_bits))
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, is_causal, scale, dropout_p, dropout_rng, backend, window_left=-1, window_right=-1, bottom_right=False,
-                     softcap=0.0, alibi_slopes=None, diagonal_shift=0):
+                     softcap=0.0, alibi_slopes=None, diagonal_shift=0, block_tiles=None, block_bits=None):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, dropout_p,
      dropout_rng, backend, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
-     sinks) = inputs
+     block_tiles, block_bits, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes, sinks)
+    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes,
+                          block_tiles, block_bits, sinks)
     ctx.max_seqlens = max_seqlen_q, max_seqlen_k
     ctx.is_causal, ctx.scale, ctx.dropout_p, ctx.backend = is_causal, scale, dropout_p, backend
     ctx.variant_args = (window_left, window_right, bottom_right, softcap)
@@ -173,16 +178,17 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes, sinks = ctx.saved_tensors
+    (query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_rng, alibi_slopes, block_tiles, block_bits,
+     sinks) = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     grads = varlen_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
                        ctx.is_causal, ctx.scale, ctx.dropout_p, dropout_rng, ctx.backend, *ctx.variant_args, alibi_slopes,
-                       ctx.diagonal_shift)
+                       ctx.diagonal_shift, block_tiles, block_bits)
     grad_sinks = None
-    if sinks is not None and ctx.needs_input_grad[18]:  # rows of (H_q, total_q), as the log-sum-exp
+    if sinks is not None and ctx.needs_input_grad[20]:  # rows of (H_q, total_q), as the log-sum-exp
         grad_sinks = sink_gradient(sinks, lse, out.transpose(0, 1), grad_out.transpose(0, 1), grad_lse, heads_dim=0)
-    return (*grads, *([None] * 15), grad_sinks)
+    return (*grads, *([None] * 17), grad_sinks)
 
 
 varlen_fwd.register_autograd(_backward, setup_context=_setup_context)

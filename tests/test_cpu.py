@@ -1,6 +1,7 @@
 """The cpu backend (csrc/cpu): the DESIGN.md criterion over features × dtypes × layouts, gradcheck,
 determinism across runs and thread counts, fully hidden rows, errors, and every instruction set."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn import testing
+from fused_attn import masks, testing
 from fused_attn.backends import registry
 from fused_attn.problem import lse_dtype
 
@@ -612,3 +613,49 @@ def test_row_dots_of_any_layout(generator, dtype):
         torch.testing.assert_close(got.double(), exact, rtol=1e-5 if dtype != torch.float64 else 1e-12, atol=1e-4)
     with pytest.raises(RuntimeError, match="row_dots: b: expected the shape of a"):
         torch.ops.fused_attn.row_dots(a, b[..., :3])
+
+
+@pytest.mark.parametrize("rotation", [0, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(testing.PROGRAM_CASES))
+def test_programs_meet_criterion(generator, name, dtype, rotation):
+    """Mask programs with the other features, forward and backward, through the public call (the program
+    given as attn_mask)."""
+    inputs = testing.random_inputs(testing.PROGRAM_CASES[name], dtype, rotation, generator)
+    testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_program_tiles_left_empty_are_never_read(generator, dtype):
+    """Keys and queries of tiles the program leaves empty are not read: NaN there changes nothing elsewhere.
+    Documents of 128 tokens: queries of document d see only keys of d (tiles off the diagonal are empty)."""
+    case = testing.Case(batch=1, heads_q=2, heads_kv=1, len_q=384, len_k=384)
+    inputs = testing.random_inputs(case, dtype, 0, generator)
+    ids = torch.arange(384) // 128
+    program = masks.mask_program(masks.documents(ids) & masks.causal(), len_q=384)
+    assert program.counts() == {"empty": 6, "full": 0, "partial": 3}
+    inputs = dataclasses.replace(inputs, program=program)
+    expected = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, dtype)
+    with torch.no_grad():  # the second document's keys and values, which only its own queries see
+        inputs.key[:, :, 128:256] = float("nan")
+        inputs.value[:, :, 128:256] = float("nan")
+    results = testing.run_backend(registry.get("cpu"), inputs)
+    others = torch.cat([torch.arange(128), torch.arange(256, 384)])
+    for name, value in results.named().items():
+        value, exact = value[:, :, others], getattr(expected[0], name)[:, :, others]  # rows or keys, all at dim 2
+        assert torch.isfinite(value).all(), name
+        allowed = testing.allowed_error(name, exact, getattr(expected[1], name)[:, :, others], dtype)
+        assert testing.max_error(value, exact) <= allowed, name
+
+
+def test_program_of_full_tiles_equals_no_program(generator, monkeypatch):
+    """A program that hides nothing changes nothing: bit for bit, at the key blocks a program runs with."""
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", str(masks.TILE))
+    case = testing.Case(batch=2, heads_q=2, heads_kv=2, len_q=200, len_k=260, is_causal=True, dropout_p=0.1)
+    inputs = testing.random_inputs(case, torch.float32, 1, generator)
+    program = masks.mask_program(lambda b, h, q_idx, kv_idx: q_idx >= 0, len_q=200, len_k=260)
+    assert program.counts()["full"] == program.tiles.numel()
+    plain = testing.run_attention(inputs, "cpu")
+    with_program = testing.run_attention(dataclasses.replace(inputs, program=program), "cpu")
+    for name, value in plain.named().items():
+        assert torch.equal(value, with_program.named()[name]), name

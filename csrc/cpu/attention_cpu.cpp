@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../block_mask_args.h"
 #include "../output_memory.h"
 #include "flash_params.h"
 
@@ -158,8 +159,10 @@ fused_attn::DropoutParams describe_dropout(const char* op, double dropout_p,
 
 // The call's score variant (fused_attn/scores.py) on top of what `describe` set: the window's bounds
 // (is_causal has made the right one 0), the diagonal, the softcap and the ALiBi slopes.
-void describe_variant(const char* op, Params& p, int64_t window_left, int64_t window_right, bool bottom_right,
-                      double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+void describe_variant(const char* op, Params& p, const at::Tensor& query, int64_t window_left, int64_t window_right,
+                      bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                      int64_t diagonal_shift, const std::optional<at::Tensor>& block_tiles,
+                      const std::optional<at::Tensor>& block_bits) {
   TORCH_CHECK(window_left >= -1 && window_right >= -1, op,
               ": window_left, window_right: expected -1 (unbounded) or a bound >= 0, got ", window_left, " and ",
               window_right);
@@ -173,6 +176,7 @@ void describe_variant(const char* op, Params& p, int64_t window_left, int64_t wi
     check_tensor(op, "alibi_slopes", *alibi_slopes, 2, {p.batch, p.heads_q}, at::kFloat);
     p.alibi = view_of(*alibi_slopes);
   }
+  p.program = fused_attn::block_program_of(op, block_tiles, block_bits, query, p.batch, p.heads_q, p.len_q, p.len_k);
 }
 
 // Block sizes and the product, with environment overrides for benchmarking:
@@ -224,6 +228,12 @@ void choose_tiling(Params& p, bool backward) {
   // a (block_q × block_k) score block per thread in L2.
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
   p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
+  if (p.program.present()) {
+    // A program's tiles decide whole blocks: key blocks are its tiles' columns and query blocks divide
+    // its rows (the forward's item of several query blocks shares each packed key block).
+    p.block_k = fused_attn::kTile;
+    p.block_q = backward ? fused_attn::kTile / 2 : fused_attn::kTile;
+  }
   // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
   p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();
   p.bf16_brgemm = p.use_brgemm && p.dtype == Dtype::BFloat16 && brgemm_usable<c10::BFloat16>();
@@ -338,11 +348,16 @@ at::Tensor forward_of(const char* op, const at::Tensor& query, const at::Tensor&
                       bool is_causal, double scale, const at::Tensor& out, double dropout_p,
                       const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
                       bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                      int64_t diagonal_shift, const std::optional<at::Tensor>& sinks, const PagedCache& paged) {
+                      int64_t diagonal_shift, const std::optional<at::Tensor>& block_tiles,
+                      const std::optional<at::Tensor>& block_bits, const std::optional<at::Tensor>& sinks,
+                      const PagedCache& paged) {
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   describe_pages(p, paged);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
-  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift);
+  describe_variant(op, p, query, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
+                   block_tiles, block_bits);
+  TORCH_CHECK(!p.program.present() || p.pages == nullptr, op,
+              ": block_tiles: a mask program is not taken with a paged cache");
   if (sinks.has_value() && sinks->defined()) {
     check_tensor(op, "sinks", *sinks, 1, {p.heads_q}, lse_dtype(query.scalar_type()));
     TORCH_CHECK(sinks->is_contiguous(), op, ": sinks: expected a contiguous tensor, got strides ", sinks->strides());
@@ -370,10 +385,11 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
                          double scale, const at::Tensor& out, double dropout_p,
                          const std::optional<at::Tensor>& dropout_rng, int64_t window_left, int64_t window_right,
                          bool bottom_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                         int64_t diagonal_shift, const std::optional<at::Tensor>& sinks) {
+                         int64_t diagonal_shift, const std::optional<at::Tensor>& block_tiles,
+                         const std::optional<at::Tensor>& block_bits, const std::optional<at::Tensor>& sinks) {
   return forward_of("flash_forward", query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p,
-                    dropout_rng, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks,
-                    {});
+                    dropout_rng, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
+                    block_tiles, block_bits, sinks, {});
 }
 
 // The (B, H_kv, max_blocks · block_size, D) tensor a paged cache (num_blocks, block_size, H_kv, D) stands for,
@@ -394,6 +410,7 @@ at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, co
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
                          const at::Tensor& out, int64_t window_left, int64_t window_right, bool bottom_right,
                          double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                         const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits,
                          const std::optional<at::Tensor>& sinks) {
   const char* op = "paged_forward";
   TORCH_CHECK(block_table.dim() == 2, op, ": block_table: expected a 2-D tensor (B, max_blocks), got shape ",
@@ -405,8 +422,8 @@ at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, co
   const at::Tensor key = logical_cache(op, "k_blocks", k_blocks, block_table);
   const at::Tensor value = logical_cache(op, "v_blocks", v_blocks, block_table);
   return forward_of(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, 0.0, std::nullopt,
-                    window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks,
-                    PagedCache{k_blocks, v_blocks, block_table});
+                    window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+                    block_bits, sinks, PagedCache{k_blocks, v_blocks, block_table});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
@@ -416,11 +433,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
     const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift, const std::optional<at::Tensor>& block_tiles,
+    const std::optional<at::Tensor>& block_bits) {
   const char* op = "flash_backward";
   Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
-  describe_variant(op, p, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift);
+  describe_variant(op, p, query, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
+                   block_tiles, block_bits);
   std::vector<int64_t> spans;
   describe_padding_spans(p, spans);
   const auto dtype = query.scalar_type();

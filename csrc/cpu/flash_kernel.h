@@ -518,6 +518,22 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
   return row_max_of(s, n);
 }
 
+// The program's partial tile hides the keys k0 .. k0 + n of query qi whose bits are clear: their scores
+// become -inf. `row` is the query's bits in the tile (BlockProgram::row), which holds keys k0 on.
+template <typename acc_t>
+inline void hide_unseen(acc_t* s, int64_t n, int64_t k0, const uint32_t* row) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t key = (k0 + i) % fused_attn::kTile;
+    if (((row[key / 32] >> (key % 32)) & 1u) == 0) s[i] = neg_inf<acc_t>();
+  }
+}
+
+// The bits of query qi in its block's program tile when the tile is partial, else null (a full tile
+// hides nothing; empty tiles are never visited).
+inline const uint32_t* program_row(const Params& p, int32_t state, int64_t qi) {
+  return state >= 0 ? p.program.row(state, qi) : nullptr;
+}
+
 // 2^t for t <= 0 (up to rounding) and -inf, for probabilities rounded to bf16/fp16 next: ATen's
 // fexp_u20 (its polynomial, ~1e-4 relative error, and its construction of the exponent field)
 // without its range checks, which t never needs: every t under -127, -inf included, gives
@@ -866,7 +882,8 @@ struct SoftmaxBuffers {
 // undropped weights, and the dropped ones are zeroed in prow (the kept ones are scaled at the end).
 template <typename scalar_t, typename acc_t, typename ct>
 void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange seen, int64_t k0, int64_t width,
-                  int64_t width_pad, acc_t* srow, ct* prow, acc_t* m, acc_t* l, acc_t* orow, uint32_t* bits) {
+                  int64_t width_pad, acc_t* srow, ct* prow, acc_t* m, acc_t* l, acc_t* orow, uint32_t* bits,
+                  const uint32_t* unseen_bits = nullptr) {
   const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, width);
   const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
   const int64_t n = last - first;
@@ -875,9 +892,14 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   acc_t row_scale = scale;
   acc_t block_max = neg_inf<acc_t>();
   if (n > 0 && scores_are_plain(p)) {
+    if (unseen_bits != nullptr) hide_unseen(srow + first, n, k0 + first, unseen_bits);
     block_max = row_max_of(srow + first, n) * scale;
   } else if (n > 0) {
     block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
+    if (unseen_bits != nullptr) {
+      hide_unseen(srow + first, n, k0 + first, unseen_bits);
+      block_max = row_max_of(srow + first, n);
+    }
     row_scale = acc_t(1);
   }
   const acc_t m_new = std::max(*m, block_max);
@@ -972,9 +994,20 @@ void forward_impl(const Params& p) {
       // The keys these rows see through the window (causal: up to the last row's diagonal); the
       // others are never visited. Query blocks may start at different key blocks.
       const KeyRange span = key_span(p, b);
-      const int64_t k_begin = visible_keys(p, c0, span).first, k_end = visible_keys(p, c0 + rows - 1, span).end;
+      int64_t k_begin = visible_keys(p, c0, span).first;
+      const int64_t k_end = visible_keys(p, c0 + rows - 1, span).end;
+      // With a program, key blocks are its tiles' columns (BK divides kTile): one state per query block.
+      if (p.program.present()) k_begin -= k_begin % BK;
+      const auto block_state = [&](int64_t r0, int64_t k0) {
+        return p.program.present() ? p.program.tile(b, h, c0 + r0, k0) : fused_attn::kTileFull;
+      };
       for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
         bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
+        if (p.program.present()) {  // keys no query block here sees through the program are not even packed
+          bool any = false;
+          for (int64_t r0 = 0; r0 < rows && !any; r0 += BQ) any = block_state(r0, k0) != fused_attn::kTileEmpty;
+          if (!any) continue;
+        }
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
         // Kᵀ block as B (D × bk); V block as B (bk × Dv): packed once for all query blocks here.
@@ -987,6 +1020,8 @@ void forward_impl(const Params& p) {
           const int64_t block_first = visible_keys(p, q0, span).first;
           const int64_t block_end = visible_keys(p, q0 + bq - 1, span).end;
           if (block_end <= k0 || block_first >= k0 + bk) continue;  // no row of this block sees these keys
+          const int32_t state = block_state(r0, k0);
+          if (state == fused_attn::kTileEmpty) continue;
           // The products stop at the last key the block's last query sees.
           const int64_t width = std::min(bk, block_end - k0);
           const int64_t width_pad = vnni ? round_up(width, 2) : width;
@@ -995,7 +1030,7 @@ void forward_impl(const Params& p) {
             const int64_t qi = q0 + r;
             softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), k0, width, width_pad, sbuf + r * bk,
                                    pbuf + r * ldp, row_max + r0 + r, row_sum + r0 + r, obuf + (r0 + r) * Dv,
-                                   buffers.bits);
+                                   buffers.bits, program_row(p, state, qi));
           }
           const uint32_t block_bit = uint32_t(1) << (r0 / BQ);
           gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, (written & block_bit) != 0,
@@ -1059,7 +1094,10 @@ void row_dots(const T* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int6
   }
 }
 
-inline bool takes_decode_path(const Params& p) { return p.use_decode && p.len_q > 0 && p.len_q <= kDecodeMaxQueries; }
+// (A program's tiles are read by the long-query kernel: its blocks are the tiles' rows and columns.)
+inline bool takes_decode_path(const Params& p) {
+  return p.use_decode && p.len_q > 0 && p.len_q <= kDecodeMaxQueries && !p.program.present();
+}
 
 // Key splits per (batch, key/value head): doubled while there are fewer than two items per thread
 // and each split keeps at least 512 keys.
@@ -1347,7 +1385,9 @@ void backward_impl(const Params& p) {
       for (int64_t kj = 0; kj < span.first; ++kj) store_key_grads(kj, dk_acc, dv_acc);
       for (int64_t kj = span.end; kj < Lk; ++kj) store_key_grads(kj, dk_acc, dv_acc);
 
-      for (int64_t k0 = span.first; k0 < span.end; k0 += BK) {
+      // With a program, key and query blocks lie inside its tiles (BK and BQ divide kTile).
+      const int64_t k_start = p.program.present() ? span.first - span.first % BK : span.first;
+      for (int64_t k0 = k_start; k0 < span.end; k0 += BK) {
         const int64_t bk = std::min(BK, span.end - k0);
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const scalar_t* k_ptr = k_head + k0 * p.key.s[2];
@@ -1360,10 +1400,13 @@ void backward_impl(const Params& p) {
 
         // Only the queries whose window reaches these keys (causal: from row k0 on) are visited.
         const KeyRange queries = queries_seeing(p, k0, k0 + bk);
+        const int64_t q_start = p.program.present() ? queries.first - queries.first % BQ : queries.first;
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t h = hk * groups + g;
-          for (int64_t q0 = queries.first; q0 < queries.end; q0 += BQ) {
+          for (int64_t q0 = q_start; q0 < queries.end; q0 += BQ) {
             const int64_t bq = std::min(BQ, queries.end - q0);
+            const int32_t state = p.program.present() ? p.program.tile(b, h, q0, k0) : fused_attn::kTileFull;
+            if (state == fused_attn::kTileEmpty) continue;
             const int64_t bqpad = vnni ? round_up(bq, 2) : bq;
             const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + q0 * p.query.s[2];
             const scalar_t* do_ptr =
@@ -1399,6 +1442,7 @@ void backward_impl(const Params& p) {
               const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
               // Scores are scaled inside the exp when nothing else applies; srow then holds P.
               if (!plain_scores) prepare_scores<acc_t, scalar_t>(s_seen, n, scale, p, b, h, qi, k0 + first, cap_grad);
+              if (state >= 0) hide_unseen(s_seen, n, k0 + first, p.program.row(state, qi));
               exp_row(s_seen, n, plain_scores ? scale : acc_t(1), lse, s_seen);
               // With dropout, O = (Z ∘ P / (1 - p)) V: the gradient of the undropped weights is
               // Z ∘ dP / (1 - p), and dV takes Z ∘ P (scaled by 1 / (1 - p) when stored).

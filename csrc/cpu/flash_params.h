@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "../block_mask.h"
 #include "../dropout.h"
 
 namespace fused_attn_cpu {
@@ -43,6 +44,9 @@ struct Params {
   int64_t window_left = -1, window_right = -1;
   int64_t diagonal = 0;    // 0 top-left, L_k - L_q bottom-right, plus the call's diagonal_shift
   double softcap = 0.0;    // > 0: scaled scores become softcap * tanh(s / softcap)
+  // A mask program (csrc/block_mask.h), absent when program.tiles is null: its empty tiles are never
+  // visited, its partial ones hide the keys their bits clear.
+  fused_attn::BlockProgram program;
   View alibi;              // float32 slopes (B, H_q) in s[0], s[1], data null when absent
   // Forward only: (H_q,) of the lse's dtype, one logit per query head in every row's softmax with no
   // value (null: none). Folded in where each row's log-sum-exp is finalised (finish_row in flash_kernel.h).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import masks
 from .. import scores as score_variants
 from ..dropout import Dropout, keep_mask
 from ..problem import lse_dtype
@@ -51,6 +52,9 @@ def masked_scores(query, key, attn_mask=None, key_padding_mask=None, is_causal=F
         scores = scores + alibi.to(scores.dtype)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
+    if variant.block_tiles is not None:  # a mask program, materialised: the oracle's definition of it
+        scores = scores.masked_fill(~masks.dense_of(variant.block_tiles, variant.block_bits, len_q, len_k),
+                                    float("-inf"))
     return scores
 
 

@@ -1,0 +1,697 @@
+"""Mask programs: which keys each query sees, as data the kernels tile over instead of an L_q × L_k mask.
+
+A mask is first a *mask function*, FlexAttention's `mask_mod(b, h, q_idx, kv_idx) -> bool` (True = the
+query sees the key), evaluated on broadcast index tensors. Ready-made ones need no Python callable and
+combine with `&` and `|`:
+
+    documents(doc_ids)          query and key in the same document (packed sequences; ids per token)
+    prefix_lm(prefix_lengths)   keys of each row's prefix seen by every query, causal after it
+    chunks(chunk_size)          query and key in the same chunk of `chunk_size` tokens (Llama 4)
+    causal(alignment)           key j seen by query i iff j <= i + offset ("top_left" or "bottom_right")
+    sliding_window(left, right, alignment)
+    kept_keys(kept)             key padding: the keys of each row marked kept (transformers' attention_mask)
+    mask_function(fn)           any mask_mod, evaluated in slices of rows
+
+FlexAttention's BlockMask (`create_block_mask`) is taken as it is: `program_of_block_mask` reuses its
+block classification and evaluates its mask_mod on its partial blocks only.
+
+`mask_program(mask, batch, heads, len_q, len_k)` builds the `MaskProgram` once per batch; every layer
+and the backward reuse it (`attention(..., attn_mask=program)`). It describes each tile of TILE × TILE
+(query rows × keys) as empty (never visited), full (nothing read per score) or partial (one bit per
+pair, TILE · TILE / 8 bytes): csrc/block_mask.h gives the layout the kernels read. Its memory is
+16 bytes per tile plus 2 KiB per partial tile, never an L_q × L_k tensor: the ready-made masks classify
+tiles from per-tile index ranges and evaluate only the partial tiles; a plain function is evaluated in
+slices of rows (ROWS_PER_SLICE × L_k at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import weakref
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+TILE = 128  # csrc/block_mask.h: kTile
+WORDS = TILE // 32
+EMPTY, FULL = -1, -2
+ROWS_PER_SLICE = 4 * TILE  # a plain mask_mod is evaluated on ROWS_PER_SLICE × L_k pairs at a time
+TILES_PER_BATCH = 256  # partial tiles evaluated together (TILES_PER_BATCH × TILE² pairs)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileGeometry:
+    """The index ranges of a program's tiles: tile t holds rows [lo[t], hi[t]] (inclusive)."""
+
+    len_q: int
+    len_k: int
+    device: torch.device
+
+    def _bounds(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo = torch.arange(0, max(length, 1), TILE, device=self.device)
+        return lo, torch.clamp(lo + TILE - 1, max=max(length - 1, 0))
+
+    def query_bounds(self):
+        """(lo, hi) of the query tiles, each (NQ, 1)."""
+        lo, hi = self._bounds(self.len_q)
+        return lo[:, None], hi[:, None]
+
+    def key_bounds(self):
+        """(lo, hi) of the key tiles, each (1, NK)."""
+        lo, hi = self._bounds(self.len_k)
+        return lo[None, :], hi[None, :]
+
+
+class MaskMod:
+    """A mask function with structure: callable as FlexAttention's mask_mod, and able to say per tile,
+    without evaluating its pairs, whether some pair may be seen and whether every pair is."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        raise NotImplementedError
+
+    def tile_states(self, geometry: TileGeometry):
+        """(some, every): bool tensors broadcastable to (B, H, NQ, NK), `some` False only where no pair of
+        the tile is seen and `every` True only where all are; None when unknown (evaluate the pairs)."""
+        return None
+
+    def resolved(self, len_q: int, len_k: int) -> "MaskMod":
+        """This mask with what depends on the call's lengths (a bottom-right alignment) fixed."""
+        return self
+
+    def __and__(self, other):
+        return _Both(self, _as_mask_mod(other))
+
+    def __or__(self, other):
+        return _Either(self, _as_mask_mod(other))
+
+    def __rand__(self, other):
+        return _Both(_as_mask_mod(other), self)
+
+    def __ror__(self, other):
+        return _Either(_as_mask_mod(other), self)
+
+
+def _as_mask_mod(mask) -> MaskMod:
+    if isinstance(mask, MaskMod):
+        return mask
+    if callable(mask):
+        return mask_function(mask)
+    raise TypeError(f"mask: expected a mask_mod(b, h, q_idx, kv_idx) or a fused_attn.masks mask, got "
+                    f"{type(mask).__name__}")
+
+
+class _Both(MaskMod):
+    def __init__(self, first: MaskMod, second: MaskMod):
+        self.first, self.second = first, second
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.first(b, h, q_idx, kv_idx) & self.second(b, h, q_idx, kv_idx)
+
+    def tile_states(self, geometry):
+        a, b = self.first.tile_states(geometry), self.second.tile_states(geometry)
+        if a is None or b is None:
+            return None
+        return a[0] & b[0], a[1] & b[1]
+
+    def resolved(self, len_q, len_k):
+        return _Both(self.first.resolved(len_q, len_k), self.second.resolved(len_q, len_k))
+
+    def __repr__(self):
+        return f"({self.first!r} & {self.second!r})"
+
+
+class _Either(MaskMod):
+    def __init__(self, first: MaskMod, second: MaskMod):
+        self.first, self.second = first, second
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.first(b, h, q_idx, kv_idx) | self.second(b, h, q_idx, kv_idx)
+
+    def tile_states(self, geometry):
+        a, b = self.first.tile_states(geometry), self.second.tile_states(geometry)
+        if a is None or b is None:
+            return None
+        return a[0] | b[0], a[1] | b[1]
+
+    def resolved(self, len_q, len_k):
+        return _Either(self.first.resolved(len_q, len_k), self.second.resolved(len_q, len_k))
+
+    def __repr__(self):
+        return f"({self.first!r} | {self.second!r})"
+
+
+class _Function(MaskMod):
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
+
+    def __repr__(self):
+        return f"mask_function({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def mask_function(fn: Callable) -> MaskMod:
+    """Any FlexAttention mask_mod(b, h, q_idx, kv_idx) -> bool. It is called on broadcast index tensors
+    (int64; b and h of shape (…, 1, 1)), so it must be written with tensor operations, as for
+    `torch.func.vmap`; its pairs are all evaluated when the program is built, ROWS_PER_SLICE rows at a time."""
+    if isinstance(fn, MaskMod):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"mask_mod: expected a callable (b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}")
+    return _Function(fn)
+
+
+def _offset(alignment, len_q: int, len_k: int) -> int:
+    if alignment == "top_left":
+        return 0
+    if alignment == "bottom_right":
+        return len_k - len_q
+    if isinstance(alignment, numbers.Integral) and not isinstance(alignment, bool):
+        return int(alignment)
+    raise ValueError(f"alignment: expected 'top_left', 'bottom_right' or an int offset, got {alignment!r}")
+
+
+class _Band(MaskMod):
+    """-left <= j - (i + offset) <= right (None: unbounded), the diagonal placed by `alignment`."""
+
+    def __init__(self, left, right, alignment="top_left", offset=None):
+        for name, bound in (("left", left), ("right", right)):
+            if bound is not None and (not isinstance(bound, numbers.Integral) or isinstance(bound, bool) or bound < 0):
+                raise ValueError(f"{name}: expected None (unbounded) or an int >= 0, got {bound!r}")
+        _offset(alignment, 0, 0)  # checks it
+        self.left, self.right, self.alignment, self.offset = left, right, alignment, offset
+
+    def resolved(self, len_q, len_k):
+        return _Band(self.left, self.right, self.alignment, _offset(self.alignment, len_q, len_k))
+
+    def _distance(self, q_idx, kv_idx):
+        if self.offset is None:
+            raise RuntimeError("a causal or sliding-window mask with a bottom-right alignment needs the call's "
+                               "lengths: build it with mask_program(...)")
+        return kv_idx - q_idx - self.offset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        distance = self._distance(q_idx, kv_idx)
+        seen = torch.ones_like(distance, dtype=torch.bool)
+        if self.left is not None:
+            seen = seen & (distance >= -self.left)
+        if self.right is not None:
+            seen = seen & (distance <= self.right)
+        return seen
+
+    def tile_states(self, geometry):
+        (q_lo, q_hi), (k_lo, k_hi) = geometry.query_bounds(), geometry.key_bounds()
+        low, high = self._distance(q_hi, k_lo), self._distance(q_lo, k_hi)  # the tile's distances span [low, high]
+        some = torch.ones_like(low, dtype=torch.bool)
+        every = torch.ones_like(low, dtype=torch.bool)
+        if self.left is not None:
+            some, every = some & (high >= -self.left), every & (low >= -self.left)
+        if self.right is not None:
+            some, every = some & (low <= self.right), every & (high <= self.right)
+        return some, every
+
+    def __repr__(self):
+        if self.left is None and self.right == 0:
+            return f"causal({self.alignment!r})"
+        return f"sliding_window({self.left}, {self.right}, {self.alignment!r})"
+
+
+def causal(alignment="top_left") -> MaskMod:
+    """Query i sees key j iff j <= i + offset: offset 0 ("top_left", SDPA's is_causal), L_k - L_q
+    ("bottom_right", flash-attn's) or an int."""
+    return _Band(None, 0, alignment)
+
+
+def sliding_window(left=None, right=None, alignment="top_left") -> MaskMod:
+    """Query i sees key j iff -left <= j - (i + offset) <= right (None: unbounded), as `window_size`."""
+    return _Band(left, right, alignment)
+
+
+def _per_token(name: str, ids, dtype_kind: str = "integer") -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an {dtype_kind} tensor, got {ids.dtype}")
+    if ids.dim() not in (1, 2):
+        raise ValueError(f"{name}: expected shape (L,) or (B, L), got {tuple(ids.shape)}")
+    return ids.long().view(1, -1) if ids.dim() == 1 else ids.long()
+
+
+def _tile_range(values: torch.Tensor, length: int):
+    """Per-tile (min, max) of per-token values (B, L) over tiles of TILE tokens: each (B, N)."""
+    pad = (-length) % TILE
+    if pad:  # the last tile's missing tokens repeat its last one (they are never visited)
+        values = torch.cat([values, values[:, -1:].expand(-1, pad)], dim=1)
+    tiles = values.view(values.shape[0], -1, TILE)
+    return tiles.amin(dim=2), tiles.amax(dim=2)
+
+
+class _Groups(MaskMod):
+    """Query and key see each other iff their group ids are equal (documents, chunks)."""
+
+    def __init__(self, q_ids: torch.Tensor, kv_ids: torch.Tensor):
+        self.q_ids, self.kv_ids = q_ids, kv_ids
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self._ids(self.q_ids, b, q_idx) == self._ids(self.kv_ids, b, kv_idx)
+
+    @staticmethod
+    def _ids(ids, b, idx):
+        rows = ids.shape[0]
+        batch_index = torch.zeros_like(b) if rows == 1 else b
+        return ids[batch_index, idx]
+
+    def tile_states(self, geometry):
+        q_min, q_max = _tile_range(self.q_ids, geometry.len_q)
+        k_min, k_max = _tile_range(self.kv_ids, geometry.len_k)
+        q_min, q_max = q_min[:, None, :, None], q_max[:, None, :, None]
+        k_min, k_max = k_min[:, None, None, :], k_max[:, None, None, :]
+        some = (q_min <= k_max) & (k_min <= q_max)
+        every = (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
+        return some, every
+
+
+class _Documents(_Groups):
+    def __repr__(self):
+        return f"documents(<{tuple(self.q_ids.shape)} ids>)"
+
+
+def documents(doc_ids: torch.Tensor, kv_doc_ids: torch.Tensor | None = None) -> MaskMod:
+    """Query i sees key j iff they belong to the same document: `doc_ids` (L,) or (B, L) integers per token
+    (sequences packed without cu_seqlens); `kv_doc_ids` the keys' when they differ from the queries'.
+    Combine with `causal()` for causal documents."""
+    q_ids = _per_token("doc_ids", doc_ids)
+    kv_ids = q_ids if kv_doc_ids is None else _per_token("kv_doc_ids", kv_doc_ids)
+    if kv_ids.device != q_ids.device:
+        raise ValueError(f"kv_doc_ids: expected device {q_ids.device} (as doc_ids), got {kv_ids.device}")
+    return _Documents(q_ids, kv_ids)
+
+
+class _Chunks(MaskMod):
+    def __init__(self, chunk_size: int):
+        if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
+            raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+        self.chunk_size = int(chunk_size)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return q_idx // self.chunk_size == kv_idx // self.chunk_size
+
+    def tile_states(self, geometry):
+        (q_lo, q_hi), (k_lo, k_hi) = geometry.query_bounds(), geometry.key_bounds()
+        size = self.chunk_size
+        some = (q_lo // size <= k_hi // size) & (k_lo // size <= q_hi // size)
+        every = (q_lo // size == q_hi // size) & (k_lo // size == k_hi // size) & (q_lo // size == k_lo // size)
+        return some, every
+
+    def __repr__(self):
+        return f"chunks({self.chunk_size})"
+
+
+def chunks(chunk_size: int) -> MaskMod:
+    """Query i sees key j iff i // chunk_size == j // chunk_size (Llama 4's `attention_chunk_size`, combined
+    with `causal()` there)."""
+    return _Chunks(chunk_size)
+
+
+class _KeyPrefix(MaskMod):
+    """Every query sees the keys j < prefix[b]."""
+
+    def __init__(self, lengths: torch.Tensor):
+        self.lengths = lengths
+
+    def _length(self, b):
+        return self.lengths[torch.zeros_like(b) if self.lengths.shape[0] == 1 else b]
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx < self._length(b)
+
+    def tile_states(self, geometry):
+        k_lo, k_hi = geometry.key_bounds()
+        length = self.lengths.view(-1, 1, 1, 1)
+        return k_lo < length, k_hi < length
+
+    def __repr__(self):
+        return f"prefix(<{tuple(self.lengths.shape)} lengths>)"
+
+
+def prefix_lm(prefix_lengths) -> MaskMod:
+    """Prefix-LM: the keys of each row's prefix are seen by every query (bidirectional), the rest causally.
+    `prefix_lengths`: an int, or (B,) integers per batch row."""
+    if isinstance(prefix_lengths, numbers.Integral) and not isinstance(prefix_lengths, bool):
+        lengths = torch.tensor([int(prefix_lengths)])
+    else:
+        lengths = _per_token("prefix_lengths", prefix_lengths).view(-1)
+    if bool((lengths < 0).any()):
+        raise ValueError(f"prefix_lengths: expected lengths >= 0, got {lengths.tolist()}")
+    return _KeyPrefix(lengths) | causal()
+
+
+class _KeptKeys(MaskMod):
+    """Every query sees key j of row b iff kept[b, j]."""
+
+    def __init__(self, kept: torch.Tensor):
+        self.kept = kept
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.kept[torch.zeros_like(b) if self.kept.shape[0] == 1 else b, kv_idx]
+
+    def tile_states(self, geometry):
+        lowest, highest = _tile_range(self.kept.to(torch.int32), geometry.len_k)
+        return highest[:, None, None, :] == 1, lowest[:, None, None, :] == 1
+
+    def __repr__(self):
+        return f"kept_keys(<{tuple(self.kept.shape)}>)"
+
+
+def kept_keys(kept: torch.Tensor) -> MaskMod:
+    """Key padding as a mask: every query sees key j of batch row b iff kept[b, j]. `kept`: bool or integer
+    (nonzero = kept), (L_k,) or (B, L_k); True marks a real token, as transformers' attention_mask (the
+    opposite of `key_padding_mask`). Key tiles all padding are empty, so they are never visited."""
+    if isinstance(kept, torch.Tensor) and kept.dtype == torch.bool:
+        kept = kept.to(torch.uint8)
+    return _KeptKeys(_per_token("kept", kept, "integer or bool") != 0)
+
+
+def _pack_bits(seen: torch.Tensor) -> torch.Tensor:
+    """(…, TILE, TILE) bool -> (…, TILE, WORDS) int32: bit j % 32 of word j // 32 is pair j."""
+    weights = torch.ones(32, dtype=torch.int64, device=seen.device) << torch.arange(32, device=seen.device)
+    words = (seen.reshape(*seen.shape[:-1], WORDS, 32).to(torch.int64) * weights).sum(dim=-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskProgram:
+    """A mask as the kernels read it (csrc/block_mask.h): `tiles` int32 (B or 1, H or 1, ⌈L_q/TILE⌉,
+    ⌈L_k/TILE⌉), EMPTY, FULL or the index of a partial tile in `bits`, int32 (P, TILE, WORDS).
+    Pass it as `attn_mask=` to `attention` (and the functions built on it); build it with `mask_program`."""
+
+    tiles: torch.Tensor
+    bits: torch.Tensor
+    len_q: int
+    len_k: int
+    mask_mod: MaskMod
+
+    @property
+    def batch(self) -> int:
+        return self.tiles.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.tiles.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tiles.device
+
+    @property
+    def nbytes(self) -> int:
+        """The program's memory: its tile states and its partial tiles' bits."""
+        return self.tiles.numel() * self.tiles.element_size() + self.bits.numel() * self.bits.element_size()
+
+    def counts(self) -> dict[str, int]:
+        """How many tiles are empty, full and partial."""
+        return {"empty": int((self.tiles == EMPTY).sum()), "full": int((self.tiles == FULL).sum()),
+                "partial": int((self.tiles >= 0).sum())}
+
+    def to(self, device) -> "MaskProgram":
+        return dataclasses.replace(self, tiles=self.tiles.to(device), bits=self.bits.to(device))
+
+    def for_call(self, batch: int, heads: int, len_q: int, len_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tiles viewed as (B, H_q, NQ, NK), bits) for a call of this shape, or a ValueError naming attn_mask."""
+        if (len_q, len_k) != (self.len_q, self.len_k):
+            raise ValueError(f"attn_mask: a mask program for (L_q, L_k) = ({self.len_q}, {self.len_k}) was given to "
+                             f"a call of ({len_q}, {len_k})")
+        if self.batch not in (1, batch) or self.heads not in (1, heads):
+            raise ValueError(f"attn_mask: a mask program for (B, H) = ({self.batch}, {self.heads}) does not "
+                             f"broadcast to the call's (B, H_q) = ({batch}, {heads})")
+        if self.device != torch.device(device):
+            raise ValueError(f"attn_mask: expected a mask program on {device} (as query), got one on {self.device}; "
+                             "move it with .to(device)")
+        return self.tiles.expand(batch, heads, -1, -1), self.bits
+
+    def dense(self) -> torch.Tensor:
+        """The mask the program stands for, bool (B or 1, H or 1, L_q, L_k): for the reference and the
+        tests (this is the L_q × L_k tensor the kernels never make)."""
+        return dense_of(self.tiles, self.bits, self.len_q, self.len_k)
+
+
+def dense_of(tiles: torch.Tensor, bits: torch.Tensor, len_q: int, len_k: int) -> torch.Tensor:
+    """The bool (…, L_q, L_k) mask of program tiles (…, NQ, NK) and their bits (P, TILE, WORDS)."""
+    rows = torch.arange(len_q, device=tiles.device)
+    cols = torch.arange(len_k, device=tiles.device)
+    state = tiles[..., rows[:, None] // TILE, cols[None, :] // TILE]
+    if bits.shape[0] == 0:
+        return state == FULL
+    words = bits[state.clamp(min=0), rows[:, None] % TILE, (cols[None, :] % TILE) // 32]
+    bit = (words >> (cols[None, :] % 32)) & 1
+    return (state == FULL) | ((state >= 0) & (bit == 1))
+
+
+def _index_grid(batch, heads, device):
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    return b, h
+
+
+def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: int) -> torch.Tensor:
+    """The bits of the tiles at `where` (n, 4) = (b, h, q tile, k tile) indices: (n, TILE, WORDS) int32; pairs
+    past the lengths are 0."""
+    device = where.device
+    offsets = torch.arange(TILE, device=device)
+    packed = []
+    for start in range(0, where.shape[0], TILES_PER_BATCH):
+        part = where[start:start + TILES_PER_BATCH]
+        b, h = part[:, 0].view(-1, 1, 1), part[:, 1].view(-1, 1, 1)
+        q = (part[:, 2] * TILE).view(-1, 1, 1) + offsets.view(1, TILE, 1)
+        kv = (part[:, 3] * TILE).view(-1, 1, 1) + offsets.view(1, 1, TILE)
+        inside = (q < len_q) & (kv < len_k)
+        seen = mask_mod(b, h, q.clamp(max=len_q - 1), kv.clamp(max=len_k - 1))
+        seen = torch.as_tensor(seen, device=device).expand(part.shape[0], TILE, TILE) & inside
+        packed.append(_pack_bits(seen))
+    if not packed:
+        return torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device)
+    return torch.cat(packed)
+
+
+def _finish(mask_mod, states: torch.Tensor, bits: torch.Tensor, len_q: int, len_k: int) -> MaskProgram:
+    """The program of tile `states` (B, H, NQ, NK) int32 with -3 marking partial tiles, whose bits (in the
+    order of their nonzero() indices) are `bits`: partial tiles whose bits are all clear become EMPTY,
+    those whose in-range pairs are all set FULL, and the rest get consecutive indices."""
+    where = (states == -3).nonzero()
+    if where.shape[0]:
+        q_in = (where[:, 2:3] * TILE + torch.arange(TILE, device=where.device)) < len_q  # (n, TILE)
+        k_in = (where[:, 3:4] * TILE + torch.arange(TILE, device=where.device)) < len_k
+        full_words = _pack_bits(q_in[:, :, None] & k_in[:, None, :])
+        empty = (bits == 0).flatten(1).all(dim=1)
+        full = (bits == full_words).flatten(1).all(dim=1)
+        partial = ~(empty | full)
+        index = torch.cumsum(partial.to(torch.int64), 0) - 1
+        value = torch.where(empty, EMPTY, torch.where(full, FULL, index)).to(torch.int32)
+        states = states.clone()
+        states[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = value
+        bits = bits[partial].contiguous()
+    return MaskProgram(states, bits, len_q, len_k, mask_mod)
+
+
+def _check_length(name, value) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value!r}")
+    return int(value)
+
+
+def mask_program(mask, batch=None, heads=None, len_q=None, len_k=None, device=None) -> MaskProgram:
+    """Builds the program of `mask` (a fused_attn.masks mask, or any FlexAttention mask_mod) for calls of
+    (B, H_q, L_q, L_k) = (batch, heads, len_q, len_k); batch / heads None: the same for every batch row /
+    head (the mask_mod then sees b = 0 / h = 0). `len_k` defaults to `len_q`; `device` to that of the
+    mask's tensors, else the CPU."""
+    mask_mod = _as_mask_mod(mask)
+    if len_q is None:
+        raise ValueError("len_q: expected the number of queries the program is for")
+    len_q = _check_length("len_q", len_q)
+    len_k = len_q if len_k is None else _check_length("len_k", len_k)
+    programs_batch = 1 if batch is None else _check_length("batch", batch)
+    programs_heads = 1 if heads is None else _check_length("heads", heads)
+    device = torch.device(device) if device is not None else _device_of(mask_mod)
+    mask_mod = mask_mod.resolved(len_q, len_k)
+    nq, nk = -(-len_q // TILE), -(-len_k // TILE)
+    shape = (programs_batch, programs_heads, nq, nk)
+    if len_q == 0 or len_k == 0:
+        return MaskProgram(torch.full(shape, EMPTY, dtype=torch.int32, device=device),
+                           torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device), len_q, len_k, mask_mod)
+    structure = mask_mod.tile_states(TileGeometry(len_q, len_k, device))
+    if structure is not None:
+        # Index masks give (NQ, NK) states, per-row ones (B, H, NQ, NK): read the batch and heads as 4-D.
+        structure = [state[(None,) * (4 - state.dim())] for state in structure]
+        for name, size, held in (("batch", programs_batch, structure[0].shape[0]),
+                                 ("heads", programs_heads, structure[0].shape[1])):
+            if held not in (1, size):
+                raise ValueError(f"{name}: the mask holds {held} rows of its own; pass {name}={held}")
+        some, every = (torch.as_tensor(t, device=device).expand(shape) for t in structure)
+        states = torch.where(every, FULL, torch.where(some, -3, EMPTY)).to(torch.int32)
+        bits = _evaluate_tiles(mask_mod, (states == -3).nonzero(), len_q, len_k)
+        return _finish(mask_mod, states, bits, len_q, len_k)
+    return _evaluated_program(mask_mod, shape, len_q, len_k, device)
+
+
+def _evaluated_program(mask_mod, shape, len_q, len_k, device) -> MaskProgram:
+    """A plain mask_mod's program: every pair evaluated, ROWS_PER_SLICE query rows × L_k keys at a time."""
+    batch, heads, nq, nk = shape
+    states = torch.empty(shape, dtype=torch.int32, device=device)
+    partial_bits = []
+    keys = torch.arange(nk * TILE, device=device).clamp(max=len_k - 1).view(1, -1)
+    key_inside = (torch.arange(nk * TILE, device=device) < len_k).view(1, 1, nk, TILE)
+    for b in range(batch):
+        for h in range(heads):
+            b_index = torch.tensor(b, device=device).view(1, 1)
+            h_index = torch.tensor(h, device=device).view(1, 1)
+            for row0 in range(0, nq * TILE, ROWS_PER_SLICE):
+                rows = min(ROWS_PER_SLICE, nq * TILE - row0)
+                q = torch.arange(row0, row0 + rows, device=device).view(-1, 1)
+                inside = ((q < len_q).view(rows // TILE, TILE, 1, 1)) & key_inside
+                seen = torch.as_tensor(mask_mod(b_index, h_index, q.clamp(max=len_q - 1), keys), device=device)
+                seen = seen.expand(rows, nk * TILE).reshape(rows // TILE, TILE, nk, TILE) & inside
+                some = seen.any(dim=3).any(dim=1)
+                every = (seen | ~inside).all(dim=3).all(dim=1)
+                tile_rows = slice(row0 // TILE, row0 // TILE + rows // TILE)
+                state = torch.where(every, FULL, torch.where(some, -3, EMPTY)).to(torch.int32)
+                states[b, h, tile_rows] = state
+                partial = state == -3
+                if bool(partial.any()):
+                    partial_bits.append(_pack_bits(seen.permute(0, 2, 1, 3)[partial]))
+    bits = torch.cat(partial_bits) if partial_bits else torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device)
+    return _finish(mask_mod, states, bits, len_q, len_k)
+
+
+def _device_of(mask_mod) -> torch.device:
+    """The device of the tensors a ready-made mask holds (CPU when it holds none)."""
+    stack = [mask_mod]
+    while stack:
+        mask = stack.pop()
+        for value in vars(mask).values():
+            if isinstance(value, torch.Tensor):
+                return value.device
+            if isinstance(value, MaskMod):
+                stack.append(value)
+    return torch.device("cpu")
+
+
+# --- FlexAttention's BlockMask ----------------------------------------------------------------------
+
+
+def _block_map(num_blocks: torch.Tensor, indices: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """FlexAttention's ordered blocks (num_blocks (B, H, R), indices (B, H, R, n): row r lists the columns
+    indices[..., r, :num_blocks[..., r]]) as a bool map (B, H, rows, cols) of the listed blocks."""
+    num_blocks, indices = num_blocks[..., :rows], indices[..., :rows, :].long()
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]
+    listed = listed & (indices >= 0) & (indices < cols)  # a column past L_k holds no key
+    blocks = torch.zeros((*indices.shape[:-1], cols + 1), dtype=torch.bool, device=indices.device)
+    blocks.scatter_(-1, torch.where(listed, indices, cols), True)  # unlisted entries go to the spare column
+    return blocks[..., :cols]
+
+
+def _blocks_in(blocks: torch.Tensor, rows, cols) -> torch.Tensor:
+    """How many blocks of `blocks` (B, H, R, C) are set within rows [rows[0], rows[1]] × columns [cols[0],
+    cols[1]] (index tensors (NQ, 1) and (1, NK)): (B, H, NQ, NK), from 2-D prefix sums."""
+    sums = torch.nn.functional.pad(blocks.to(torch.int32).cumsum(-2).cumsum(-1), (1, 0, 1, 0))
+    (r0, r1), (c0, c1) = rows, cols
+    return sums[..., r1 + 1, c1 + 1] - sums[..., r0, c1 + 1] - sums[..., r1 + 1, c0] + sums[..., r0, c0]
+
+
+class _Blocks(MaskMod):
+    """A BlockMask as FlexAttention's kernels read it: a pair is seen iff its block is listed full, or listed
+    partial and the mask_mod says so; the pairs of unlisted blocks are never seen."""
+
+    def __init__(self, block_mask, len_q: int, len_k: int):
+        self.size_q, self.size_k = block_mask.BLOCK_SIZE
+        rows, cols = -(-len_q // self.size_q), -(-len_k // self.size_k)
+        if block_mask.kv_num_blocks.shape[-1] < rows:
+            raise ValueError(f"attn_mask: a BlockMask of {block_mask.kv_num_blocks.shape[-1]} rows of blocks does "
+                             f"not cover its {len_q} queries (blocks of {self.size_q})")
+        self.partial = _block_map(block_mask.kv_num_blocks, block_mask.kv_indices, rows, cols)
+        self.full = None
+        if block_mask.full_kv_num_blocks is not None:
+            self.full = _block_map(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows, cols)
+        self.mask_mod = block_mask.mask_mod
+
+    @staticmethod
+    def _at(blocks, b, h, block_q, block_k):
+        b = torch.zeros_like(b) if blocks.shape[0] == 1 else b
+        h = torch.zeros_like(h) if blocks.shape[1] == 1 else h
+        return blocks[b, h, block_q, block_k]
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        block_q, block_k = q_idx // self.size_q, kv_idx // self.size_k
+        seen = self._at(self.partial, b, h, block_q, block_k) & self.mask_mod(b, h, q_idx, kv_idx)
+        if self.full is not None:
+            seen = seen | self._at(self.full, b, h, block_q, block_k)
+        return seen
+
+    def tile_states(self, geometry):
+        (q_lo, q_hi), (k_lo, k_hi) = geometry.query_bounds(), geometry.key_bounds()
+        rows, cols = (q_lo // self.size_q, q_hi // self.size_q), (k_lo // self.size_k, k_hi // self.size_k)
+        listed = self.partial if self.full is None else self.partial | self.full
+        some = _blocks_in(listed, rows, cols) > 0
+        if self.full is None:
+            return some, torch.zeros_like(some)
+        area = (rows[1] - rows[0] + 1) * (cols[1] - cols[0] + 1)  # the blocks a tile overlaps
+        return some, _blocks_in(self.full, rows, cols) == area
+
+    def __repr__(self):
+        return f"block_mask({getattr(self.mask_mod, '__name__', self.mask_mod)!r}, BLOCK_SIZE={self.size_q, self.size_k})"
+
+
+# A BlockMask is built once and given to every layer: its program is kept until the BlockMask dies.
+_BLOCK_MASK_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _block_mask_parts(block_mask) -> tuple:
+    """What a BlockMask's program is made of: its program is made again when any of them is replaced."""
+    return (block_mask.mask_mod, block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices, block_mask.seq_lengths, block_mask.BLOCK_SIZE)
+
+
+def program_of_block_mask(block_mask: BlockMask) -> MaskProgram:
+    """The mask program of FlexAttention's BlockMask (`create_block_mask`, `BlockMask.from_kv_blocks`), on its
+    device, for calls of (B, H_q, L_q, L_k) = (B, H, *seq_lengths) of its kv_num_blocks (B, H, rows): B or H
+    1 is the same for every batch row or head, and the mask_mod sees b = 0 or h = 0 there.
+
+    It means what FlexAttention's kernels compute: unlisted blocks are empty, full blocks
+    (`full_kv_num_blocks`) are seen whole, and the mask_mod decides the pairs of the other listed blocks
+    (all of them where the BlockMask has no full blocks; a `noop_mask` then sees them whole). (FlexAttention
+    in eager mode evaluates the mask_mod on every pair instead; the two agree for a BlockMask that
+    `create_block_mask` made.) The block classification is reused: where its BLOCK_SIZE is the program's
+    TILE, the mask_mod is evaluated only on the partial blocks. The mask_mod is called on broadcast index
+    tensors, as `mask_function` says. The program is made once per BlockMask and kept as long as it lives
+    (made again if its mask_mod or block tensors are replaced)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask: expected a torch.nn.attention.flex_attention.BlockMask, got "
+                        f"{type(block_mask).__name__}")
+    parts = _block_mask_parts(block_mask)
+    cached = _BLOCK_MASK_PROGRAMS.get(block_mask)
+    if cached is not None and all(old is new for old, new in zip(cached[0], parts)):
+        return cached[1]
+    if block_mask.kv_num_blocks.dim() != 3:
+        raise ValueError(f"attn_mask: expected a BlockMask of (B, H) rows of blocks, got kv_num_blocks of shape "
+                         f"{tuple(block_mask.kv_num_blocks.shape)}")
+    len_q, len_k = (int(length) for length in block_mask.seq_lengths)
+    batch, heads = block_mask.kv_num_blocks.shape[:2]
+    program = mask_program(_Blocks(block_mask, len_q, len_k), batch, heads, len_q, len_k,
+                           device=block_mask.kv_num_blocks.device)
+    _BLOCK_MASK_PROGRAMS[block_mask] = (parts, program)
+    return program
+
+
+def with_program(attn_mask, variant, query: torch.Tensor, key: torch.Tensor):
+    """(attn_mask, variant) of a call: a mask program (or a BlockMask, as its program) given as attn_mask moves
+    into the variant (its tiles viewed as (B, H_q, NQ, NK)); a tensor or None stays where it is."""
+    if attn_mask is None or isinstance(attn_mask, torch.Tensor):
+        return attn_mask, variant
+    if isinstance(attn_mask, BlockMask):
+        attn_mask = program_of_block_mask(attn_mask)
+    if not isinstance(attn_mask, MaskProgram):
+        return attn_mask, variant  # refused by the mask checks, which name what came
+    tiles, bits = attn_mask.for_call(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.device)
+    return None, dataclasses.replace(variant, block_tiles=tiles, block_bits=bits)
