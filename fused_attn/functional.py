@@ -33,7 +33,7 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
             raise ValueError("attn_mask: a CausalBias already makes the call causal; pass is_causal=False")
         attn_mask, is_causal, causal_alignment = None, True, bias_alignment
     variant = variant_of(query, causal_alignment, window_size, softcap, alibi_slopes, sinks)
-    attn_mask, variant = masks.with_program(attn_mask, variant, query, key)
+    attn_mask, variant = masks.with_program(attn_mask, variant, is_causal, query, key)
     mask = _mask_view(attn_mask, query, key)
     _check_key_padding_mask(key_padding_mask, query, key)
     mask, key_padding_mask = _padding_of(mask, key_padding_mask)

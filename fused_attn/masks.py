@@ -29,16 +29,19 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import weakref
+import weakref
 from typing import Callable
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 TILE = 128  # csrc/block_mask.h: kTile
 WORDS = TILE // 32
 EMPTY, FULL = -1, -2
+PENDING = -3  # a tile state while the program is built: its pairs are to be evaluated
 ROWS_PER_SLICE = 4 * TILE  # a plain mask_mod is evaluated on ROWS_PER_SLICE × L_k pairs at a time
-TILES_PER_BATCH = 256  # partial tiles evaluated together (TILES_PER_BATCH × TILE² pairs)
+TILES_PER_BATCH = 64  # partial tiles evaluated together (TILES_PER_BATCH × TILE² pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +184,8 @@ class _Band(MaskMod):
         for name, bound in (("left", left), ("right", right)):
             if bound is not None and (not isinstance(bound, numbers.Integral) or isinstance(bound, bool) or bound < 0):
                 raise ValueError(f"{name}: expected None (unbounded) or an int >= 0, got {bound!r}")
-        _offset(alignment, 0, 0)  # checks it
+        if offset is None and alignment != "bottom_right":  # known without the call's lengths
+            offset = _offset(alignment, 0, 0)
         self.left, self.right, self.alignment, self.offset = left, right, alignment, offset
 
     def resolved(self, len_q, len_k):
@@ -377,9 +381,8 @@ def kept_keys(kept: torch.Tensor) -> MaskMod:
 
 def _pack_bits(seen: torch.Tensor) -> torch.Tensor:
     """(…, TILE, TILE) bool -> (…, TILE, WORDS) int32: bit j % 32 of word j // 32 is pair j."""
-    weights = torch.ones(32, dtype=torch.int64, device=seen.device) << torch.arange(32, device=seen.device)
-    words = (seen.reshape(*seen.shape[:-1], WORDS, 32).to(torch.int64) * weights).sum(dim=-1)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    packed = np.packbits(seen.cpu().numpy(), axis=-1, bitorder="little")  # (…, TILE / 8) bytes
+    return torch.from_numpy(packed.view(np.dtype("<i4"))).to(seen.device)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -393,6 +396,9 @@ class MaskProgram:
     len_q: int
     len_k: int
     mask_mod: MaskMod
+    # The causal or sliding-window part of the mask, (left, right, offset) with -1 unbounded, when it is
+    # left to the kernels' own band (the call's window) rather than to the tiles' bits; None otherwise.
+    band: tuple[int, int, int] | None = None
 
     @property
     def batch(self) -> int:
@@ -419,6 +425,17 @@ class MaskProgram:
     def to(self, device) -> "MaskProgram":
         return dataclasses.replace(self, tiles=self.tiles.to(device), bits=self.bits.to(device))
 
+    def without_band(self) -> "MaskProgram":
+        """The same mask with its band in the tiles' bits (for a call whose own diagonal differs), built once."""
+        if self.band is None:
+            return self
+        cached = _UNBANDED.get(self)
+        if cached is None:
+            cached = _UNBANDED[self] = mask_program(self.mask_mod, None if self.batch == 1 else self.batch,
+                                                    None if self.heads == 1 else self.heads, self.len_q,
+                                                    self.len_k, self.device, factor_band=False)
+        return cached
+
     def for_call(self, batch: int, heads: int, len_q: int, len_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(tiles viewed as (B, H_q, NQ, NK), bits) for a call of this shape, or a ValueError naming attn_mask."""
         if (len_q, len_k) != (self.len_q, self.len_k):
@@ -435,7 +452,13 @@ class MaskProgram:
     def dense(self) -> torch.Tensor:
         """The mask the program stands for, bool (B or 1, H or 1, L_q, L_k): for the reference and the
         tests (this is the L_q × L_k tensor the kernels never make)."""
-        return dense_of(self.tiles, self.bits, self.len_q, self.len_k)
+        seen = dense_of(self.tiles, self.bits, self.len_q, self.len_k)
+        if self.band is not None:
+            left, right, offset = self.band
+            distance = (torch.arange(self.len_k, device=self.device)[None, :]
+                        - torch.arange(self.len_q, device=self.device)[:, None] - offset)
+            seen = seen & (distance >= -left if left >= 0 else True) & (distance <= right if right >= 0 else True)
+        return seen
 
 
 def dense_of(tiles: torch.Tensor, bits: torch.Tensor, len_q: int, len_k: int) -> torch.Tensor:
@@ -450,18 +473,15 @@ def dense_of(tiles: torch.Tensor, bits: torch.Tensor, len_q: int, len_k: int) ->
     return (state == FULL) | ((state >= 0) & (bit == 1))
 
 
-def _index_grid(batch, heads, device):
-    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
-    return b, h
+_UNBANDED: "weakref.WeakKeyDictionary[MaskProgram, MaskProgram]" = weakref.WeakKeyDictionary()
 
 
-def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: int) -> torch.Tensor:
-    """The bits of the tiles at `where` (n, 4) = (b, h, q tile, k tile) indices: (n, TILE, WORDS) int32; pairs
-    past the lengths are 0."""
+def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: int):
+    """The tiles at `where` (n, 4) = (b, h, q tile, k tile) indices, evaluated pair by pair: (bits (n, TILE, WORDS)
+    int32 with the pairs past the lengths 0, some (n,) bool: a pair is seen, every (n,) bool: all are)."""
     device = where.device
     offsets = torch.arange(TILE, device=device)
-    packed = []
+    bits, some, every = [], [], []
     for start in range(0, where.shape[0], TILES_PER_BATCH):
         part = where[start:start + TILES_PER_BATCH]
         b, h = part[:, 0].view(-1, 1, 1), part[:, 1].view(-1, 1, 1)
@@ -470,30 +490,29 @@ def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: i
         inside = (q < len_q) & (kv < len_k)
         seen = mask_mod(b, h, q.clamp(max=len_q - 1), kv.clamp(max=len_k - 1))
         seen = torch.as_tensor(seen, device=device).expand(part.shape[0], TILE, TILE) & inside
-        packed.append(_pack_bits(seen))
-    if not packed:
-        return torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device)
-    return torch.cat(packed)
+        bits.append(_pack_bits(seen))
+        some.append(seen.flatten(1).any(dim=1))
+        every.append((seen | ~inside).flatten(1).all(dim=1))
+    if not bits:
+        return (torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device),
+                torch.zeros(0, dtype=torch.bool, device=device), torch.zeros(0, dtype=torch.bool, device=device))
+    return torch.cat(bits), torch.cat(some), torch.cat(every)
 
 
-def _finish(mask_mod, states: torch.Tensor, bits: torch.Tensor, len_q: int, len_k: int) -> MaskProgram:
-    """The program of tile `states` (B, H, NQ, NK) int32 with -3 marking partial tiles, whose bits (in the
-    order of their nonzero() indices) are `bits`: partial tiles whose bits are all clear become EMPTY,
-    those whose in-range pairs are all set FULL, and the rest get consecutive indices."""
-    where = (states == -3).nonzero()
+def _finish(mask_mod, states: torch.Tensor, evaluated, len_q: int, len_k: int, band=None) -> MaskProgram:
+    """The program of tile `states` (B, H, NQ, NK) int32 with PENDING marking the tiles `evaluated` describes
+    (`_evaluate_tiles` of them in the order of their nonzero() indices): those none of whose pairs are seen
+    become EMPTY, those all of whose pairs are FULL, and the rest partial tiles with consecutive indices."""
+    bits, some, every = evaluated
+    where = (states == PENDING).nonzero()
     if where.shape[0]:
-        q_in = (where[:, 2:3] * TILE + torch.arange(TILE, device=where.device)) < len_q  # (n, TILE)
-        k_in = (where[:, 3:4] * TILE + torch.arange(TILE, device=where.device)) < len_k
-        full_words = _pack_bits(q_in[:, :, None] & k_in[:, None, :])
-        empty = (bits == 0).flatten(1).all(dim=1)
-        full = (bits == full_words).flatten(1).all(dim=1)
-        partial = ~(empty | full)
+        partial = some & ~every
         index = torch.cumsum(partial.to(torch.int64), 0) - 1
-        value = torch.where(empty, EMPTY, torch.where(full, FULL, index)).to(torch.int32)
+        value = torch.where(~some, EMPTY, torch.where(every, FULL, index)).to(torch.int32)
         states = states.clone()
         states[where[:, 0], where[:, 1], where[:, 2], where[:, 3]] = value
         bits = bits[partial].contiguous()
-    return MaskProgram(states, bits, len_q, len_k, mask_mod)
+    return MaskProgram(states, bits, len_q, len_k, mask_mod, band)
 
 
 def _check_length(name, value) -> int:
@@ -502,11 +521,57 @@ def _check_length(name, value) -> int:
     return int(value)
 
 
-def mask_program(mask, batch=None, heads=None, len_q=None, len_k=None, device=None) -> MaskProgram:
+def _factors(mask_mod: MaskMod) -> list[MaskMod]:
+    """The masks whose `&` is mask_mod, at its top level."""
+    if isinstance(mask_mod, _Both):
+        return _factors(mask_mod.first) + _factors(mask_mod.second)
+    return [mask_mod]
+
+
+def _split_band(mask_mod: MaskMod):
+    """(band (left, right, offset) with -1 unbounded, the other factors' `&`) when mask_mod is a band `&` other
+    masks, else (None, mask_mod). Several bands of one diagonal intersect; of different diagonals, none splits."""
+    factors = _factors(mask_mod)
+    bands = [f for f in factors if isinstance(f, _Band)]
+    rest = [f for f in factors if not isinstance(f, _Band)]
+    if not bands or len({band.offset for band in bands}) != 1:
+        return None, mask_mod
+
+    def tightest(bounds):
+        bounded = [bound for bound in bounds if bound is not None]
+        return min(bounded) if bounded else -1
+
+    band = (tightest(b.left for b in bands), tightest(b.right for b in bands), bands[0].offset)
+    other = rest[0] if rest else _EVERYTHING
+    for factor in rest[1:]:
+        other = _Both(other, factor)
+    return band, other
+
+
+class _Everything(MaskMod):
+    """Every key seen (what is left of a mask that is a band alone)."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return torch.ones(torch.broadcast_shapes(q_idx.shape, kv_idx.shape), dtype=torch.bool, device=q_idx.device)
+
+    def tile_states(self, geometry):
+        return torch.ones((), dtype=torch.bool), torch.ones((), dtype=torch.bool)
+
+
+_EVERYTHING = _Everything()
+
+
+def mask_program(mask, batch=None, heads=None, len_q=None, len_k=None, device=None, *,
+                 factor_band: bool = True) -> MaskProgram:
     """Builds the program of `mask` (a fused_attn.masks mask, or any FlexAttention mask_mod) for calls of
     (B, H_q, L_q, L_k) = (batch, heads, len_q, len_k); batch / heads None: the same for every batch row /
     head (the mask_mod then sees b = 0 / h = 0). `len_k` defaults to `len_q`; `device` to that of the
-    mask's tensors, else the CPU."""
+    mask's tensors, else the CPU.
+
+    A `causal()` or `sliding_window()` combined by `&` with the rest (documents & causal, chunks & causal) is
+    left to the kernels' own band, computed from the indices (the call then runs with that window), and the
+    tiles' bits hold the rest: a tile the band cuts costs what the band keeps of it. `factor_band=False` keeps
+    everything in the bits."""
     mask_mod = _as_mask_mod(mask)
     if len_q is None:
         raise ValueError("len_q: expected the number of queries the program is for")
@@ -521,7 +586,13 @@ def mask_program(mask, batch=None, heads=None, len_q=None, len_k=None, device=No
     if len_q == 0 or len_k == 0:
         return MaskProgram(torch.full(shape, EMPTY, dtype=torch.int32, device=device),
                            torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device), len_q, len_k, mask_mod)
-    structure = mask_mod.tile_states(TileGeometry(len_q, len_k, device))
+    band, bits_mod = _split_band(mask_mod) if factor_band else (None, mask_mod)
+    geometry = TileGeometry(len_q, len_k, device)
+    structure = bits_mod.tile_states(geometry)
+    if structure is not None and band is not None:
+        # A tile is empty where the whole mask sees nothing, full where the bits' part sees everything.
+        whole = mask_mod.tile_states(geometry)
+        structure = (whole[0] & structure[0], structure[1])
     if structure is not None:
         # Index masks give (NQ, NK) states, per-row ones (B, H, NQ, NK): read the batch and heads as 4-D.
         structure = [state[(None,) * (4 - state.dim())] for state in structure]
@@ -530,9 +601,9 @@ def mask_program(mask, batch=None, heads=None, len_q=None, len_k=None, device=No
             if held not in (1, size):
                 raise ValueError(f"{name}: the mask holds {held} rows of its own; pass {name}={held}")
         some, every = (torch.as_tensor(t, device=device).expand(shape) for t in structure)
-        states = torch.where(every, FULL, torch.where(some, -3, EMPTY)).to(torch.int32)
-        bits = _evaluate_tiles(mask_mod, (states == -3).nonzero(), len_q, len_k)
-        return _finish(mask_mod, states, bits, len_q, len_k)
+        states = torch.where(~some, EMPTY, torch.where(every, FULL, PENDING)).to(torch.int32)
+        evaluated = _evaluate_tiles(bits_mod, (states == PENDING).nonzero(), len_q, len_k)
+        return _finish(mask_mod, states, evaluated, len_q, len_k, band)
     return _evaluated_program(mask_mod, shape, len_q, len_k, device)
 
 
@@ -556,13 +627,14 @@ def _evaluated_program(mask_mod, shape, len_q, len_k, device) -> MaskProgram:
                 some = seen.any(dim=3).any(dim=1)
                 every = (seen | ~inside).all(dim=3).all(dim=1)
                 tile_rows = slice(row0 // TILE, row0 // TILE + rows // TILE)
-                state = torch.where(every, FULL, torch.where(some, -3, EMPTY)).to(torch.int32)
+                state = torch.where(every, FULL, torch.where(some, PENDING, EMPTY)).to(torch.int32)
                 states[b, h, tile_rows] = state
-                partial = state == -3
+                partial = state == PENDING
                 if bool(partial.any()):
                     partial_bits.append(_pack_bits(seen.permute(0, 2, 1, 3)[partial]))
     bits = torch.cat(partial_bits) if partial_bits else torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device)
-    return _finish(mask_mod, states, bits, len_q, len_k)
+    pending = torch.ones(bits.shape[0], dtype=torch.bool, device=device)  # tiles known to be neither empty nor full
+    return _finish(mask_mod, states, (bits, pending, ~pending), len_q, len_k)
 
 
 def _device_of(mask_mod) -> torch.device:
@@ -684,14 +756,61 @@ def program_of_block_mask(block_mask: BlockMask) -> MaskProgram:
     return program
 
 
-def with_program(attn_mask, variant, query: torch.Tensor, key: torch.Tensor):
+def _ordered_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bool block map (B, H, R, C) as FlexAttention's ordered rows: (num_blocks, indices), int32."""
+    as_int = blocks.to(torch.int32)
+    return as_int.sum(-1, dtype=torch.int32), torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def block_mask_of_program(program: MaskProgram) -> BlockMask:
+    """FlexAttention's BlockMask of a mask program, BLOCK_SIZE (TILE, TILE): its full tiles as full blocks, its
+    partial tiles as the blocks of its mask_mod; `program_of_block_mask` gives this program back, not a new
+    one, as long as the BlockMask lives. A program so travels where code keeps BlockMasks as they are
+    (transformers hands 4-D masks and BlockMasks to every layer untouched)."""
+    if not isinstance(program, MaskProgram):
+        raise TypeError(f"program: expected a fused_attn.masks.MaskProgram, got {type(program).__name__}")
+    block_mask = BlockMask.from_kv_blocks(*_ordered_blocks(program.tiles >= 0), *_ordered_blocks(program.tiles == FULL),
+                                          BLOCK_SIZE=TILE, mask_mod=program.mask_mod,
+                                          seq_lengths=(program.len_q, program.len_k))
+    _BLOCK_MASK_PROGRAMS[block_mask] = (_block_mask_parts(block_mask), program)
+    return block_mask
+
+
+def with_program(attn_mask, variant, is_causal: bool, query: torch.Tensor, key: torch.Tensor):
     """(attn_mask, variant) of a call: a mask program (or a BlockMask, as its program) given as attn_mask moves
-    into the variant (its tiles viewed as (B, H_q, NQ, NK)); a tensor or None stays where it is."""
+    into the variant (its tiles viewed as (B, H_q, NQ, NK), its band into the call's window); a tensor or None
+    stays where it is."""
     if attn_mask is None or isinstance(attn_mask, torch.Tensor):
         return attn_mask, variant
     if isinstance(attn_mask, BlockMask):
         attn_mask = program_of_block_mask(attn_mask)
     if not isinstance(attn_mask, MaskProgram):
         return attn_mask, variant  # refused by the mask checks, which name what came
-    tiles, bits = attn_mask.for_call(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.device)
+    len_q, len_k = query.shape[2], key.shape[2]
+    program = attn_mask
+    if program.band is not None:
+        banded = _with_band(variant, is_causal, program.band, len_q, len_k)
+        if banded is None:
+            program = program.without_band()
+        else:
+            variant = banded
+    tiles, bits = program.for_call(query.shape[0], query.shape[1], len_q, len_k, query.device)
     return None, dataclasses.replace(variant, block_tiles=tiles, block_bits=bits)
+
+
+def _with_band(variant, is_causal: bool, band, len_q: int, len_k: int):
+    """The call's variant with the program's band (left, right, offset) joined to its window, or None when the
+    two cannot share one diagonal (the call has a band or ALiBi distances about another one)."""
+    left, right, offset = band
+    call_left, call_right = variant.bounds(is_causal)
+    has_own_diagonal = call_left != -1 or call_right != -1 or variant.alibi_slopes is not None
+    if has_own_diagonal and variant.offset(len_q, len_k) != offset:
+        return None
+
+    def tighter(a: int, b: int) -> int:
+        return b if a == -1 else a if b == -1 else min(a, b)
+
+    window = dict(window_left=tighter(variant.window_left, left), window_right=tighter(variant.window_right, right))
+    if has_own_diagonal:
+        return dataclasses.replace(variant, **window)
+    return dataclasses.replace(variant, bottom_right=False, diagonal_shift=offset, **window)

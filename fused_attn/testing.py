@@ -448,7 +448,7 @@ class Inputs:
     def variant(self) -> ScoreVariant:
         """The ScoreVariant the call makes of `variant_keywords()` and the program."""
         variant = variant_of(self.query, **self.variant_keywords())
-        return masks.with_program(self.program, variant, self.query, self.key)[1]
+        return masks.with_program(self.program, variant, self.case.is_causal, self.query, self.key)[1]
 
     def call_mask(self):
         """What the call passes as attn_mask: the mask tensor or the program."""

@@ -633,7 +633,7 @@ def test_program_tiles_left_empty_are_never_read(generator, dtype):
     inputs = testing.random_inputs(case, dtype, 0, generator)
     ids = torch.arange(384) // 128
     program = masks.mask_program(masks.documents(ids) & masks.causal(), len_q=384)
-    assert program.counts() == {"empty": 6, "full": 0, "partial": 3}
+    assert program.counts() == {"empty": 6, "full": 3, "partial": 0}  # the diagonal's causal part: the kernels' band
     inputs = dataclasses.replace(inputs, program=program)
     expected = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, dtype)
     with torch.no_grad():  # the second document's keys and values, which only its own queries see
