@@ -449,6 +449,16 @@ class MaskProgram:
                              "move it with .to(device)")
         return self.tiles.expand(batch, heads, -1, -1), self.bits
 
+    def for_sequences(self, batch: int, heads: int, lengths_q: list[int], lengths_k: list[int], device):
+        """(tiles viewed as (B, H_q, NQ, NK), bits) for a packed batch of sequences (fused_attn.varlen): sequence
+        b reads row b of the program (or its only one) at its own positions, so the program's lengths must
+        cover every sequence's."""
+        longest_q, longest_k = max(lengths_q, default=0), max(lengths_k, default=0)
+        if longest_q > self.len_q or longest_k > self.len_k:
+            raise ValueError(f"attn_mask: a mask program for (L_q, L_k) = ({self.len_q}, {self.len_k}) does not "
+                             f"cover the longest sequences, ({longest_q}, {longest_k})")
+        return self.for_call(batch, heads, self.len_q, self.len_k, device)
+
     def dense(self) -> torch.Tensor:
         """The mask the program stands for, bool (B or 1, H or 1, L_q, L_k): for the reference and the
         tests (this is the L_q × L_k tensor the kernels never make)."""
@@ -796,6 +806,30 @@ def with_program(attn_mask, variant, is_causal: bool, query: torch.Tensor, key: 
             variant = banded
     tiles, bits = program.for_call(query.shape[0], query.shape[1], len_q, len_k, query.device)
     return None, dataclasses.replace(variant, block_tiles=tiles, block_bits=bits)
+
+
+def with_sequences_program(attn_mask, variant, is_causal: bool, query: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor):
+    """`with_program` for a packed batch (fused_attn.varlen): the program's row b is sequence b's, at its own
+    positions (the lengths are read on the host). Its band joins the call's window only where it needs no
+    diagonal offset (each sequence has its own diagonal); otherwise it stays in the bits."""
+    if attn_mask is None:
+        return variant
+    if isinstance(attn_mask, BlockMask):
+        attn_mask = program_of_block_mask(attn_mask)
+    if not isinstance(attn_mask, MaskProgram):
+        raise TypeError(f"attn_mask: expected None, a mask program (fused_attn.masks.mask_program) or a BlockMask "
+                        f"for a packed batch, got {type(attn_mask).__name__}")
+    program = attn_mask
+    if program.band is not None:
+        banded = _with_band(variant, is_causal, program.band, program.len_q, program.len_k)
+        if banded is None or banded.diagonal_shift or banded.bottom_right != variant.bottom_right:
+            program = program.without_band()
+        else:
+            variant = banded
+    lengths_q, lengths_k = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
+    tiles, bits = program.for_sequences(len(lengths_q), query.shape[1], lengths_q, lengths_k, query.device)
+    return dataclasses.replace(variant, block_tiles=tiles, block_bits=bits)
 
 
 def _with_band(variant, is_causal: bool, band, len_q: int, len_k: int):

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import masks
 from .backends import registry
 from .checks import (_check_generator, _check_options, _check_tensor, _refuse_forward_mode_ad, assert_on_device,
                      check_dtypes_and_devices)
@@ -196,7 +197,8 @@ varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                      dropout_p=0.0, is_causal=False, scale=None, *, return_lse=False, backend=None, generator=None,
-                     causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None):
+                     causal_alignment="top_left", window_size=None, softcap=None, alibi_slopes=None, sinks=None,
+                     attn_mask=None):
     """Attention over a packed batch of sequences of different lengths (no padding), with autograd.
 
     Args:
@@ -215,6 +217,9 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             each sequence's last query with its last key; an integer alignment is not taken).
         alibi_slopes: float32 (H_q,) or (B, H_q), a row per sequence.
         sinks: (H_q,), as in `fused_attn.attention`: the same sink logits for every sequence.
+        attn_mask: None, or a mask program (`fused_attn.masks.mask_program`, or a FlexAttention BlockMask) whose
+            batch row b (or only row) is sequence b's mask, at the sequence's own positions: built for lengths
+            that cover the longest sequences (a bottom-right alignment in it is resolved against those).
         return_lse: also return the log-sum-exp, (H_q, total_q) (as flash-attn), float32 (float64
             for float64 inputs).
         backend: a name from `available_backends()`; default automatic.
@@ -239,6 +244,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if variant.diagonal_shift:
         raise ValueError(f"causal_alignment: expected 'top_left' or 'bottom_right' for a packed batch (each "
                          f"sequence has its own diagonal), got the offset {causal_alignment!r}")
+    variant = masks.with_sequences_program(attn_mask, variant, is_causal, query, cu_seqlens_q, cu_seqlens_k)
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     # The registry decides on the largest problem the call could be (lengths are not read here).
     problem = Problem(query.device, query.dtype, batch, heads_q, heads_kv, max_q if max_q >= 0 else query.shape[0],
@@ -249,7 +255,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     _refuse_forward_mode_ad(query=query, key=key, value=value)
     args = (query, key, value, cu_seqlens_q, cu_seqlens_k, max_q, max_k, is_causal, scale, float(dropout_p),
             dropout_rng, chosen.name, *variant.op_args())
-    fused = varlen_fwd if needs_op(query, key, value, variant.alibi_slopes, variant.sinks) else _varlen_forward
+    fused = (varlen_fwd if needs_op(query, key, value, variant.alibi_slopes, variant.sinks, variant.block_tiles)
+             else _varlen_forward)
     out, lse = fused(*args)
     return (out, lse) if return_lse else out
 

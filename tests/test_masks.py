@@ -170,3 +170,36 @@ def test_empty_lengths_and_fully_hidden_rows(generator):
     assert torch.isfinite(grad).all()
     empty = masks.mask_program(masks.chunks(3), len_q=0, len_k=10)
     assert empty.tiles.shape == (1, 1, 0, 1) and empty.bits.shape[0] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_batch_takes_a_program_per_sequence(generator, dtype):
+    """attention_varlen with a program whose row b is sequence b's mask (prefix-LM per sequence, chunks & causal,
+    documents within sequences), forward and backward, against each sequence alone given its dense mask."""
+    lengths = [300, 0, 129, 257]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    total, heads, dim = int(cu[-1]), 4, 16
+    q, k, v, grad = (torch.randn(total, heads, dim, generator=generator).to(dtype) for _ in range(4))
+    ids = random_ids(generator, 4, 300, 3)
+    for mask in (masks.prefix_lm(torch.tensor([40, 0, 129, 7])), masks.chunks(100) & masks.causal(),
+                 masks.documents(ids) & masks.causal()):
+        per_row = not isinstance(mask, masks._Both) or isinstance(mask.first, masks._Documents)
+        program = masks.mask_program(mask, 4 if per_row else None, None, 300, 300)
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fused_attn.attention_varlen(*inputs, cu, cu, attn_mask=program)
+        grads = torch.autograd.grad(out, inputs, grad)
+        dense = program.dense()
+        for b, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+            if end == start:
+                continue
+            seq = [t[start:end].transpose(0, 1).unsqueeze(0).detach().double().requires_grad_() for t in (q, k, v)]
+            mask_b = dense[b if dense.shape[0] > 1 else 0, 0, :end - start, :end - start]
+            expected = fused_attn.attention(*seq, attn_mask=mask_b, backend="reference")
+            expected_grads = torch.autograd.grad(expected, seq, grad[start:end].transpose(0, 1).unsqueeze(0).double())
+            tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(out[start:end].double(), expected[0].transpose(0, 1), **tolerance)
+            for got, want in zip(grads, expected_grads):
+                torch.testing.assert_close(got[start:end].double(), want[0].transpose(0, 1), **tolerance)
+    short = masks.mask_program(masks.chunks(10), len_q=200)
+    with pytest.raises(ValueError, match="does not cover the longest sequences"):
+        fused_attn.attention_varlen(q, k, v, cu, cu, attn_mask=short)

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from ..dropout import Dropout, shifted_rng
+from ..masks import TILE
 from ..scores import ScoreVariant
 
 
@@ -34,11 +35,15 @@ def sequence_dropout(dropout: Dropout | None, b: int) -> Dropout | None:
     return Dropout(dropout.p, shifted_rng(dropout.rng, offset=b))
 
 
-def sequence_variant(variant: ScoreVariant, b: int) -> ScoreVariant:
-    """The variant of sequence b: its row of the (B, H_q) ALiBi slopes."""
-    if variant.alibi_slopes is None:
-        return variant
-    return dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes[b:b + 1])
+def sequence_variant(variant: ScoreVariant, b: int, len_q: int, len_k: int) -> ScoreVariant:
+    """The variant of sequence b (len_q queries, len_k keys): its row of the (B, H_q) ALiBi slopes and of the mask
+    program's tiles, those that cover its positions."""
+    if variant.alibi_slopes is not None:
+        variant = dataclasses.replace(variant, alibi_slopes=variant.alibi_slopes[b:b + 1])
+    if variant.block_tiles is not None:
+        tiles = variant.block_tiles[b:b + 1, :, :-(-len_q // TILE), :-(-len_k // TILE)]
+        variant = dataclasses.replace(variant, block_tiles=tiles)
+    return variant
 
 
 def forward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse, dropout, variant):
@@ -55,7 +60,7 @@ def forward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, s
             continue
         seq_lse.copy_(backend.forward(sequence_view(query, q0, q1), sequence_view(key, k0, k1),
                                       sequence_view(value, k0, k1), None, None, is_causal, scale, seq_out,
-                                      sequence_dropout(dropout, b), sequence_variant(variant, b))[0])
+                                      sequence_dropout(dropout, b), sequence_variant(variant, b, q1 - q0, k1 - k0))[0])
 
 
 def backward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse, grad_out, grad_lse,
@@ -70,7 +75,7 @@ def backward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, 
                                      sequence_view(value, k0, k1), None, None, is_causal, scale,
                                      sequence_view(out, q0, q1), lse[:, q0:q1].unsqueeze(0),
                                      sequence_view(grad_out, q0, q1), seq_grad_lse, sequence_dropout(dropout, b),
-                                     None, sequence_variant(variant, b))
+                                     None, sequence_variant(variant, b, q1 - q0, k1 - k0))
         for packed, grad, (start, end) in zip(grads, seq_grads, ((q0, q1), (k0, k1), (k0, k1))):
             sequence_view(packed, start, end).copy_(grad)
     return grads
