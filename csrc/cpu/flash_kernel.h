@@ -519,11 +519,25 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
 }
 
 // The program's partial tile hides the keys k0 .. k0 + n of query qi whose bits are clear: their scores
-// become -inf. `row` is the query's bits in the tile (BlockProgram::row), which holds keys k0 on.
+// become -inf. `row` is the query's bits in the tile (BlockProgram::row); the n keys lie in that one tile.
 template <typename acc_t>
 inline void hide_unseen(acc_t* s, int64_t n, int64_t k0, const uint32_t* row) {
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t key = (k0 + i) % fused_attn::kTile;
+  const int64_t first = k0 % fused_attn::kTile;
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) {  // 16 bits of the row are the mask of 16 scores
+    const __m512 hidden = _mm512_set1_ps(neg_inf<float>());
+    for (; i + 16 <= n; i += 16) {
+      const int64_t key = first + i, word = key / 32;
+      uint64_t bits = row[word];
+      if (word + 1 < fused_attn::kWords) bits |= static_cast<uint64_t>(row[word + 1]) << 32;
+      const __mmask16 seen = static_cast<__mmask16>(bits >> (key % 32));
+      _mm512_storeu_ps(s + i, _mm512_mask_mov_ps(hidden, seen, _mm512_loadu_ps(s + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const int64_t key = first + i;
     if (((row[key / 32] >> (key % 32)) & 1u) == 0) s[i] = neg_inf<acc_t>();
   }
 }
