@@ -323,3 +323,15 @@ def test_models_bench_runs_gpt_oss_against_eager(capsys):
     assert [row.split("|")[2:4] for row in rows] == [
         [f" {phase} ", f" {name} "] for phase in ("prefill", "decode") for name in ("eager", "fused_attn")]
     assert all(row.rstrip().endswith("| yes |") for row in rows)
+
+
+def test_mask_bench_on_a_small_shape(capsys):
+    """bench.mask_bench's rows at L=256 (FlexAttention left out: compiling it takes minutes)."""
+    from bench import mask_bench
+
+    times, ratios, rounds = mask_bench.measure("prefix_lm", torch.float32, 256, True, rounds=2, budget_s=1.0)
+    assert set(times) == {"prefix_lm", "causal"} and rounds == 2 and ratios[0][1] > 0
+    candidates, ratios, _ = mask_bench.documents_candidates(256, backward=True)
+    assert set(candidates) == {"program", "dense_mask", "sdpa_mask"}
+    rows = mask_bench.build_rows(256, rounds=1)
+    assert any(row.startswith("| documents(ids) & causal()") for row in rows) and "program memory" in rows[-1]
