@@ -1,6 +1,7 @@
 """fused_attn: exact multi-head attention for PyTorch, fused."""
 
 from .backends.registry import BackendError, available_backends, use_backend
+from .flex import flex_attention
 from .functional import attention, split_heads_attention
 from .kvcache import attention_with_kvcache
 from .modules import MultiheadAttention, TransformerEncoderLayer, replace_attention
@@ -21,6 +22,7 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "available_backends",
+    "flex_attention",
     "redirect_sdpa",
     "replace_attention",
     "split_heads_attention",

@@ -18,17 +18,16 @@ block classification and evaluates its mask_mod on its partial blocks only.
 `mask_program(mask, batch, heads, len_q, len_k)` builds the `MaskProgram` once per batch; every layer
 and the backward reuse it (`attention(..., attn_mask=program)`). It describes each tile of TILE × TILE
 (query rows × keys) as empty (never visited), full (nothing read per score) or partial (one bit per
-pair, TILE · TILE / 8 bytes): csrc/block_mask.h gives the layout the kernels read. Its memory is
-16 bytes per tile plus 2 KiB per partial tile, never an L_q × L_k tensor: the ready-made masks classify
-tiles from per-tile index ranges and evaluate only the partial tiles; a plain function is evaluated in
-slices of rows (ROWS_PER_SLICE × L_k at a time).
+pair, TILE · TILE / 8 bytes): csrc/block_mask.h gives the layout the kernels read. Its memory is 4 bytes
+per tile state (per batch row and head it varies with) plus 2 KiB per partial tile, never an L_q × L_k
+tensor: the ready-made masks classify tiles from per-tile index ranges and evaluate only the partial
+tiles; a plain function is evaluated in slices of rows (ROWS_PER_SLICE × L_k at a time).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-import weakref
 import weakref
 from typing import Callable
 
@@ -722,7 +721,8 @@ class _Blocks(MaskMod):
         return some, _blocks_in(self.full, rows, cols) == area
 
     def __repr__(self):
-        return f"block_mask({getattr(self.mask_mod, '__name__', self.mask_mod)!r}, BLOCK_SIZE={self.size_q, self.size_k})"
+        name = getattr(self.mask_mod, "__name__", self.mask_mod)
+        return f"block_mask({name!r}, BLOCK_SIZE={self.size_q, self.size_k})"
 
 
 # A BlockMask is built once and given to every layer: its program is kept until the BlockMask dies.
@@ -769,17 +769,29 @@ def program_of_block_mask(block_mask: BlockMask) -> MaskProgram:
 def _ordered_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A bool block map (B, H, R, C) as FlexAttention's ordered rows: (num_blocks, indices), int32."""
     as_int = blocks.to(torch.int32)
-    return as_int.sum(-1, dtype=torch.int32), torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
+    columns = torch.argsort(as_int, dim=-1, descending=True, stable=True)  # the listed ones first, in order
+    return as_int.sum(-1, dtype=torch.int32), columns.to(torch.int32)
+
+
+def _band_covers(program: MaskProgram):
+    """Where the program's band (if any) keeps every pair of a tile: bool (NQ, NK), or True."""
+    if program.band is None:
+        return True
+    left, right, offset = program.band
+    band = _Band(None if left < 0 else left, None if right < 0 else right, offset=offset)
+    return band.tile_states(TileGeometry(program.len_q, program.len_k, program.device))[1]
 
 
 def block_mask_of_program(program: MaskProgram) -> BlockMask:
-    """FlexAttention's BlockMask of a mask program, BLOCK_SIZE (TILE, TILE): its full tiles as full blocks, its
-    partial tiles as the blocks of its mask_mod; `program_of_block_mask` gives this program back, not a new
-    one, as long as the BlockMask lives. A program so travels where code keeps BlockMasks as they are
-    (transformers hands 4-D masks and BlockMasks to every layer untouched)."""
+    """FlexAttention's BlockMask of a mask program, BLOCK_SIZE (TILE, TILE), meaning the same mask: the tiles
+    seen whole (full, and not cut by the program's band) as full blocks, the other tiles it visits as the
+    blocks of its mask_mod. `program_of_block_mask` gives this program back, not a new one, as long as the
+    BlockMask lives: a program so travels where code keeps BlockMasks as they are (transformers hands 4-D
+    masks and BlockMasks to every layer untouched)."""
     if not isinstance(program, MaskProgram):
         raise TypeError(f"program: expected a fused_attn.masks.MaskProgram, got {type(program).__name__}")
-    block_mask = BlockMask.from_kv_blocks(*_ordered_blocks(program.tiles >= 0), *_ordered_blocks(program.tiles == FULL),
+    full = (program.tiles == FULL) & _band_covers(program)
+    block_mask = BlockMask.from_kv_blocks(*_ordered_blocks((program.tiles != EMPTY) & ~full), *_ordered_blocks(full),
                                           BLOCK_SIZE=TILE, mask_mod=program.mask_mod,
                                           seq_lengths=(program.len_q, program.len_k))
     _BLOCK_MASK_PROGRAMS[block_mask] = (_block_mask_parts(block_mask), program)

@@ -107,7 +107,7 @@ def test_document_program_memory_is_a_small_fraction_of_a_dense_mask(generator):
     length = 8192
     program = masks.mask_program(masks.documents(random_ids(generator, 1, length, 8)[0]) & masks.causal(),
                                  len_q=length)
-    # 16 bytes a tile (4 of state here) and 2 KiB a partial tile.
+    # 4 bytes a tile state and 2 KiB a partial tile.
     assert program.nbytes == 4 * program.tiles.numel() + masks.TILE * masks.TILE // 8 * program.counts()["partial"]
     assert program.nbytes < length * length / 16
 

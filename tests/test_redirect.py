@@ -2,10 +2,14 @@
 compiled; what fused_attn cannot serve runs as PyTorch runs it."""
 
 import copy
+import inspect
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import flex_attention as flex_module
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 # Bound at import, before any redirect is entered, as library code binds it.
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -349,3 +353,87 @@ def test_compiled_pass_through(generator, fused_calls, fresh_dynamo):
         got = torch.compile(attend, backend="eager", fullgraph=True)(q)
     torch.testing.assert_close(got, attend(q), rtol=0, atol=0)
     assert fused_calls["cpu"] == [0, 0]
+
+
+# FlexAttention ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def flex_call(generator):
+    """q, k, v (B=2, H=2, L=300) and a BlockMask of causal documents, different in each batch row; torch's
+    eager flex_attention's warning that it materialises the scores is silenced."""
+    docs = torch.randint(0, 4, (2, 300), generator=generator).sort(dim=1).values
+
+    def documents_causal(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(documents_causal, 2, None, 300, 300, device="cpu")
+    q, k, v = (torch.randn(2, 2, 300, 16, generator=generator) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield q, k, v, block_mask
+
+
+def test_flex_attention_through_its_module_runs_on_fused_attn(flex_call, fused_calls):
+    """Forward and backward (which torch's flex_attention does not run on the CPU) on the fused kernels."""
+    q, k, v, block_mask = flex_call
+    expected, expected_aux = flex_module.flex_attention(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match="FlexAttention does not support backward on CPU"):
+        flex_module.flex_attention(q, k, v, block_mask=block_mask)
+    with fused_attn.redirect_sdpa():
+        out, aux = flex_module.flex_attention(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True))
+        unmasked = flex_module.flex_attention(q, k, v, None, None, 0.5)  # positional, no BlockMask
+    out.sum().backward()
+    assert fused_calls["cpu"] == [2, 1] and q.grad is not None
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux.lse, expected_aux.lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(unmasked, F.scaled_dot_product_attention(q, k, v, scale=0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_flex_calls_fused_attn_cannot_serve_run_on_torch(flex_call, fused_calls):
+    q, k, v, block_mask = flex_call
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score - (q_idx - kv_idx).abs() * 0.01
+
+    expected = flex_module.flex_attention(q, k, v, score_mod, block_mask)
+    with fused_attn.redirect_sdpa():
+        got = flex_module.flex_attention(q, k, v, score_mod, block_mask)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # What torch refuses, it refuses inside the block too, with its own error: max_scores (not on the CPU),
+    # a BlockMask of other lengths.
+    with fused_attn.redirect_sdpa(), pytest.raises(NotImplementedError, match="Returning max scores"):
+        flex_module.flex_attention(q, k, v, block_mask=block_mask, return_aux=AuxRequest(lse=True, max_scores=True))
+    with fused_attn.redirect_sdpa(), pytest.raises(ValueError, match="block_mask was created for"):
+        flex_module.flex_attention(q[:, :, :200], k, v, block_mask=block_mask)
+    flex_module.flex_attention(q, k, v, block_mask=block_mask)  # after the block: torch's
+    assert all(counts == [0, 0] for counts in fused_calls.values())
+
+
+def test_what_the_flex_redirect_sees(flex_call, fused_calls):
+    """torch's function itself (a name bound before the first redirect was made) is not seen; the module
+    attribute, and names imported from it after the first redirect, are."""
+    q, k, v, block_mask = flex_call
+    fused_attn.redirect_sdpa()  # the first redirect made puts the router in place
+    torch_own = inspect.unwrap(flex_module.flex_attention)
+    assert flex_module.flex_attention is not torch_own
+    assert inspect.signature(flex_module.flex_attention) == inspect.signature(torch_own)
+    from torch.nn.attention.flex_attention import flex_attention as imported_late
+
+    with fused_attn.redirect_sdpa(backend="reference"):
+        torch_own(q, k, v, block_mask=block_mask)
+        imported_late(q, k, v, block_mask=block_mask)
+    assert fused_calls["reference"] == [1, 0] and fused_calls["cpu"] == [0, 0]
+
+
+def test_compiled_flex_attention_stays_torchs(flex_call, fused_calls, fresh_dynamo):
+    q, k, v, block_mask = flex_call
+
+    def attend(q):
+        return flex_module.flex_attention(q, k, v, block_mask=block_mask)
+
+    with fused_attn.redirect_sdpa():
+        got = torch.compile(attend, backend="eager", fullgraph=True)(q)
+    torch.testing.assert_close(got, attend(q))
+    assert all(counts == [0, 0] for counts in fused_calls.values())

@@ -6,15 +6,18 @@ greedy generation equal to `sdpa`'s (`eager`'s where sdpa refuses the model)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 transformers = pytest.importorskip("transformers")
 
 import fused_attn  # noqa: E402
-from fused_attn import testing  # noqa: E402
+from fused_attn import masks, testing  # noqa: E402
 from fused_attn.integrations import transformers as fused_transformers  # noqa: E402
 
 NAME = fused_transformers.register()
@@ -289,12 +292,42 @@ def test_the_mask_not_the_module_says_causal(monkeypatch, generator, padded):
     assert all((call["key_padding_mask"] is not None) == padded for call in log.calls)
 
 
-def test_unrecognised_mask_patterns_are_built_and_read(monkeypatch, generator):
-    """Packed sequences (found from position ids) are not a pattern the kernels compute themselves:
-    the mask is built in full, as for sdpa, and the results still match eager."""
-    model = build("llama")
-    ids = torch.randint(0, VOCAB, (1, LENGTH), generator=generator)
-    position_ids = torch.cat([torch.arange(6), torch.arange(LENGTH - 6)])[None]
+class ProgramLog:
+    """Spies on the mask programs built (fused_attn.masks.mask_program) and fails on the warning that a
+    mask was built in full."""
+
+    def __init__(self, monkeypatch):
+        self.built = []
+        original = fused_transformers.masks.mask_program
+        monkeypatch.setattr(fused_transformers.masks, "mask_program",
+                            lambda *args, **kwargs: self.built.append(original(*args, **kwargs)) or self.built[-1])
+        fused_transformers._note_full_mask.cache_clear()
+
+    @staticmethod
+    def read(call) -> masks.MaskProgram | None:
+        """The mask program a call of fused_attn.attention read: its attn_mask is the program's BlockMask."""
+        mask = call["attn_mask"]
+        return masks.program_of_block_mask(mask) if isinstance(mask, BlockMask) else None
+
+    @contextlib.contextmanager
+    def no_full_mask(self):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*built in full")
+            yield
+
+
+def packed_position_ids(lengths) -> torch.Tensor:
+    return torch.cat([torch.arange(length) for length in lengths])[None]
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_sequences_from_position_ids_run_as_one_mask_program(monkeypatch, generator, name):
+    """Sequences packed into one row, found from the position ids (no cu_seq_lens): their documents, causal
+    within each (in Mistral's sliding window), as one mask program that every layer reads, built once."""
+    model = build(name)
+    lengths = [100, 150, 50]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=generator)
+    position_ids = packed_position_ids(lengths)
 
     def logits(implementation, dtype):
         packed = copy.deepcopy(model).to(dtype)
@@ -302,12 +335,136 @@ def test_unrecognised_mask_patterns_are_built_and_read(monkeypatch, generator):
         with torch.no_grad():
             return packed(ids, position_ids=position_ids, use_cache=False).logits
 
-    log = CallLog(monkeypatch)
-    fused_transformers._note_full_mask.cache_clear()
-    with pytest.warns(UserWarning, match="built in full"):
+    exact, same_dtype = logits(ORACLE, torch.float64), logits("eager", torch.float32)
+    log, programs = CallLog(monkeypatch), ProgramLog(monkeypatch)
+    with programs.no_full_mask():
         actual = logits(NAME, torch.float32)
-    assert_close(actual, logits(ORACLE, torch.float64), logits("eager", torch.float32), torch.float32)
-    assert all(call["attn_mask"].shape == (1, 1, LENGTH, LENGTH) and not call["is_causal"] for call in log.calls)
+    assert_close(actual, exact, same_dtype, torch.float32)
+    assert len(programs.built) == 1 and len(log.calls) == model.config.num_hidden_layers
+    assert all(programs.read(call) is programs.built[0] and not call["is_causal"] for call in log.calls)
+    # Of 3 × 3 tiles, those above the diagonal and that of the last sequence's queries (250..299) against
+    # the first 128 keys (the first two sequences') are never visited.
+    assert programs.built[0].counts()["empty"] == 4
+
+
+def llama4(chunk_size: int = 128):
+    """A small Llama 4 text model: a chunked layer (RoPE, attention within chunks of `chunk_size`) and a full
+    one (no RoPE, temperature tuning), dense feed-forward layers."""
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, intermediate_size_mlp=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        attention_chunk_size=chunk_size, no_rope_layer_interval=2, interleave_moe_layer_step=100)
+    assert config.layer_types == ["chunked_attention", "full_attention"]
+    return transformers.Llama4ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_llama4_chunked_attention_runs_as_a_mask_program(monkeypatch, generator, dtype):
+    """Llama 4's chunks (start after each row's left padding) over 330 tokens, 3 chunks: the chunked layer
+    reads a mask program, the full layer runs causal with key padding."""
+    model = llama4()
+    ids = torch.randint(0, VOCAB, (2, 330), generator=generator)
+    attention_mask = torch.ones(2, 330, dtype=torch.long)
+    attention_mask[1, :45] = 0
+    exact = logits_of(model, ORACLE, torch.float64, ids, attention_mask)
+    same_dtype = logits_of(model, "eager", dtype, ids, attention_mask)
+    log, programs = CallLog(monkeypatch), ProgramLog(monkeypatch)
+    with programs.no_full_mask():
+        actual = logits_of(model, NAME, dtype, ids, attention_mask)
+    valid = attention_mask.bool()
+    assert_close(actual[valid], exact[valid], same_dtype[valid], dtype)
+    assert len(programs.built) == 1
+    chunked, full = log.calls
+    assert programs.read(chunked) is programs.built[0] and not chunked["is_causal"]
+    assert full["attn_mask"] is None and full["is_causal"] and full["key_padding_mask"] is not None
+
+
+def test_llama4_generation_across_a_chunk_boundary_matches_eager(monkeypatch, generator):
+    """Greedy decoding from a left-padded prompt of 120 tokens past the chunk boundary at 128: each step's
+    chunked layer reads a mask program of one query row."""
+    model = llama4()
+    ids = torch.randint(0, VOCAB, (2, 120), generator=generator)
+    attention_mask = torch.ones(2, 120, dtype=torch.long)
+    attention_mask[1, :17] = 0
+    tokens = {}
+    for implementation in ("eager", NAME):
+        model.set_attn_implementation(implementation)
+        log, programs = CallLog(monkeypatch), ProgramLog(monkeypatch)
+        with programs.no_full_mask():
+            tokens[implementation] = model.generate(ids, attention_mask=attention_mask, max_new_tokens=12,
+                                                    min_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens[NAME], tokens["eager"])
+    assert len(programs.built) == 12  # one per forward, the prefill's and each step's
+    assert [call["query_length"] for call in log.calls[::2]] == [120] + [1] * 11
+
+
+def test_unrecognised_mask_functions_are_built_in_full(generator):
+    """A mask function that is not one of transformers' own is built as sdpa builds it, with the warning."""
+    def every_other_key(batch_idx, head_idx, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx % 2 == 0)
+
+    fused_transformers._note_full_mask.cache_clear()
+    attention_mask = torch.ones(2, 20, dtype=torch.bool)
+    attention_mask[0, :3] = False
+    with pytest.warns(UserWarning, match="built in full"):
+        mask = fused_transformers.build_mask(2, 20, 20, mask_function=every_other_key, attention_mask=attention_mask)
+    expected = transformers.masking_utils.sdpa_mask(2, 20, 20, mask_function=every_other_key,
+                                                    attention_mask=attention_mask, allow_is_causal_skip=False)
+    assert torch.equal(mask, expected)
+
+
+def mask_patterns():
+    """transformers' mask functions as its create_*_mask functions combine them, each with build_mask's
+    arguments: {name: (batch, L_q, L_k, q_offset, kv_offset, mask_function, attention_mask)}."""
+    masking = transformers.masking_utils
+    padded = torch.ones(3, 405, dtype=torch.bool)
+    padded[1, :37], padded[2, :150] = False, False
+    left_padding = (padded.cumsum(-1) == 0).sum(-1)
+    position_ids = packed_position_ids([100, 150, 50]).expand(2, -1).clone()
+    position_ids[1] = packed_position_ids([220, 80])
+    sequences = masking.packed_sequence_mask_function(masking.find_packed_sequence_indices(position_ids))
+
+    def packed(mask_function):
+        return masking.and_masks(masking.remap_positions_for_packed_sequence(mask_function, position_ids), sequences)
+
+    blocks = torch.full((2, 300), -1)
+    blocks[0, 20:80], blocks[1, 100:260] = 0, 1
+    return {
+        "chunked_left_padded": (3, 400, 400, 0, 0, masking.chunked_causal_mask_function(128, left_padding),
+                                padded[:, :400]),
+        "chunked_decode_steps": (3, 5, 405, 400, 0, masking.chunked_causal_mask_function(128, left_padding), padded),
+        "sliding_window_cache_offsets": (2, 7, 310, 350, 57, masking.sliding_window_causal_mask_function(250), None),
+        "causal_static_cache": (2, 10, 512, torch.tensor(100), 0, masking.causal_mask_function, None),
+        "packed_causal": (2, 300, 300, 0, 0, packed(masking.causal_mask_function), None),
+        "packed_sliding_window": (2, 300, 300, 0, 0, packed(masking.sliding_window_causal_mask_function(60)), None),
+        "packed_chunked": (2, 300, 300, 0, 0,
+                           packed(masking.chunked_causal_mask_function(64, torch.zeros(2, dtype=torch.long))), None),
+        "packed_bidirectional": (2, 300, 300, 0, 0, masking.and_masks(masking.bidirectional_mask_function,
+                                                                      sequences), None),
+        "blockwise_or_causal_in_window": (2, 300, 300, 0, 0, masking.and_masks(
+            masking.or_masks(masking.causal_mask_function, masking.blockwise_overlay(blocks)),
+            masking.sliding_window_overlay(100)), padded[1:, :300]),
+        "bidirectional_window_or_causal": (2, 200, 260, 30, 0, masking.or_masks(
+            masking.sliding_window_bidirectional_overlay(40), masking.causal_mask_function), None),
+        "offsets_and_padding_function": (2, 150, 150, 0, 0, masking.add_offsets_to_mask_function(masking.and_masks(
+            masking.causal_mask_function, masking.padding_mask_function(padded[1:, 100:])), 10, 0), None),
+    }
+
+
+@pytest.mark.parametrize("pattern", list(mask_patterns()))
+def test_mask_programs_are_the_masks_sdpa_builds(pattern):
+    """Each pattern of transformers' mask functions gives a mask program that means exactly the bool
+    mask sdpa_mask builds from the same arguments, without a warning."""
+    batch, len_q, len_k, q_offset, kv_offset, mask_function, attention_mask = mask_patterns()[pattern]
+    arguments = dict(batch_size=batch, q_length=len_q, kv_length=len_k, q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=mask_function, attention_mask=attention_mask, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block_mask = fused_transformers.build_mask(**arguments)
+    expected = transformers.masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
+    assert isinstance(block_mask, BlockMask)
+    assert torch.equal(masks.program_of_block_mask(block_mask).dense().expand_as(expected), expected)
 
 
 def test_registration_errors_and_refusals():
@@ -371,7 +528,8 @@ def test_from_pretrained_with_the_registered_name(tmp_path, monkeypatch, generat
 
 
 def test_static_cache_generation_matches_sdpa(monkeypatch, generator):
-    """A static cache's queries do not end on its last slot: the mask is built in full and read."""
+    """A static cache's queries do not end on its last slot: the prefill's mask is a mask program (the
+    decode steps' a (B, 1, 1, L_k) mask, built as the model asks, to be changed as a tensor)."""
     model = build("llama")
     ids, attention_mask = padded_batch(generator)
     tokens = {}
@@ -381,7 +539,11 @@ def test_static_cache_generation_matches_sdpa(monkeypatch, generator):
         tokens[implementation] = model.generate(ids, attention_mask=attention_mask, max_new_tokens=5, min_new_tokens=5,
                                                 do_sample=False, pad_token_id=0, cache_implementation="static")
     assert torch.equal(tokens[NAME], tokens["sdpa"])
-    assert log.calls and all(call["attn_mask"] is not None for call in log.calls)
+    layers = model.config.num_hidden_layers
+    assert [call["query_length"] for call in log.calls] == [LENGTH] * layers + [1] * (4 * layers)
+    assert all(isinstance(call["attn_mask"], BlockMask) for call in log.calls[:layers])
+    slots = log.calls[0]["attn_mask"].shape[-1]  # the cache's
+    assert all(tuple(call["attn_mask"].shape[-2:]) == (1, slots) for call in log.calls[layers:])
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])

@@ -16,24 +16,37 @@ active. Dynamo gained this tracing of modes in late 2024 (pytorch/pytorch#133137
 torch releases are untested here.
 
 Like torch's own modes, the block holds for the thread that entered it.
+
+FlexAttention's `torch.nn.attention.flex_attention.flex_attention` is a plain Python function, which no
+mode sees: the first redirect made replaces that module attribute by a function that, inside a block,
+runs the calls fused_attn can serve as `fused_attn.flex_attention` and passes every other call (and
+every call outside a block, or traced by torch.compile) on to torch's own. Calls through the module
+attribute are seen (`flex_attention.flex_attention(...)` after `from torch.nn.attention import
+flex_attention`), and so are names imported from it after that first redirect; a name imported before
+it (`from torch.nn.attention.flex_attention import flex_attention` at the top of a module imported
+earlier) is torch's function itself, and its calls are not seen.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import flex_attention as flex_module
 from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
+from .. import flex, masks
 from ..backends import registry
 from ..backends.reference import ReferenceBackend
 from ..checks import _check_inputs, _check_options, _mask_view
 from ..functional import attention
 from ..problem import Problem
-from ..scores import causal_bias_variant, variant_of
+from ..scores import PLAIN, causal_bias_variant, variant_of
 from ..varlen import _check_packed, _packed_of
 
 _POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -52,6 +65,7 @@ class SDPARedirect(TorchFunctionMode, contextlib.ContextDecorator):
                 raise TypeError(f"backend: expected None or a backend name, got {type(backend).__name__}")
             registry.get(backend)  # a ValueError naming `backend` and the known names
         self.backend = backend
+        _route_flex_attention()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -119,6 +133,29 @@ class SDPARedirect(TorchFunctionMode, contextlib.ContextDecorator):
             return None
         return attention(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, backend=backend)
 
+    def serve_flex(self, args, kwargs):
+        """fused_attn.flex_attention's result for a call of FlexAttention's flex_attention, or None where
+        torch's has to run it: a score_mod, max_scores asked for, arguments this version does not know or
+        that torch refuses, a call no fused backend takes."""
+        try:
+            call = _torch_flex_signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return None
+        aux = call.get("return_aux")
+        if not call.keys() <= _FLEX_SERVED or call.get("score_mod") is not None \
+                or (aux is not None and (call.get("return_lse") or getattr(aux, "max_scores", True))):
+            return None
+        query, key, value = call["query"], call["key"], call["value"]
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and not t.is_nested for t in (query, key, value)):
+            return None
+        key, value = flex.broadcast_batch(query, key, value)
+        problem = _flex_problem(query, key, value, call.get("block_mask"), call.get("scale"),
+                                call.get("enable_gqa", False))
+        backend = None if problem is None else self._backend_for(problem)
+        if backend is None:
+            return None
+        return flex.flex_attention(**call, backend=backend)
+
     def _backend_for(self, problem: Problem) -> str | None:
         return fused_backend_for(problem, self.backend)
 
@@ -160,6 +197,12 @@ def redirect_sdpa(backend: str | None = None) -> SDPARedirect:
     Not seen: SDPA called from inside another overridable torch function, such as
     `F.multi_head_attention_forward` of `nn.MultiheadAttention`, since a mode is off while it
     handles a call (`fused_attn.replace_attention` swaps those modules instead).
+
+    FlexAttention's `flex_attention` (called through its module, or by a name imported after the first
+    redirect was made: the module docstring says why) runs as `fused_attn.flex_attention` where it can:
+    no score_mod, a BlockMask or none, the lse or no auxiliary output, 4-D tensors a fused backend takes.
+    Any other call (a score_mod, max_scores asked for, arguments torch refuses) and every call traced by
+    torch.compile run as torch's own.
 
     Args:
         backend: a name from `fused_attn.available_backends()`; every served call then runs on it,
@@ -228,3 +271,59 @@ def _problem(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> Problem 
     except (TypeError, ValueError):
         return None
     return Problem.of(q, k, v, mask, None, is_causal, float(dropout_p))
+
+
+def _flex_problem(q, k, v, block_mask, scale, enable_gqa) -> Problem | None:
+    """A FlexAttention call as the registry sees it (its BlockMask as its mask program); None where
+    fused_attn's checks refuse it (torch's flex_attention then runs it, or raises its own error)."""
+    if block_mask is not None and not isinstance(block_mask, flex_module.BlockMask):
+        return None
+    try:
+        _check_inputs(q, k, v, enable_gqa)
+        _check_options(0.0, scale, False)
+        _, variant = masks.with_program(block_mask, PLAIN, False, q, k)
+    except (TypeError, ValueError):
+        return None
+    return Problem.of(q, k, v, None, None, False, 0.0, variant)
+
+
+# --- FlexAttention -------------------------------------------------------------------------------
+# flex_attention is a plain Python function, which no TorchFunctionMode sees. So the first redirect made
+# puts `_flex_attention_redirected` in its place, as the attribute of torch.nn.attention.flex_attention
+# (a mode cannot swap it on entry and back on exit: Dynamo traces entering only TorchFunctionMode's own
+# __enter__). Outside every block it passes each call on to torch's function unchanged.
+
+_FLEX_SERVED = frozenset(("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa", "return_lse",
+                          "kernel_options", "return_aux"))
+_torch_flex = flex_module.flex_attention
+_torch_flex_signature = inspect.signature(_torch_flex)
+
+
+def _innermost_redirect() -> SDPARedirect | None:
+    """The innermost redirect_sdpa block entered on this thread and still open, if any."""
+    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+        if isinstance(mode, SDPARedirect):
+            return mode
+    return None
+
+
+def _flex_attention_redirected(*args, **kwargs):
+    # Traced by torch.compile, the call stays torch's, whose compiled kernels are what compiling it is for.
+    if not torch.compiler.is_compiling():
+        mode = _innermost_redirect()
+        served = None if mode is None else mode.serve_flex(args, kwargs)
+        if served is not None:
+            return served
+    return _torch_flex(*args, **kwargs)
+
+
+def _route_flex_attention() -> None:
+    """Puts `_flex_attention_redirected` in place of torch.nn.attention.flex_attention.flex_attention, once
+    (with torch's name, signature and docstring)."""
+    global _torch_flex, _torch_flex_signature
+    if flex_module.flex_attention is _flex_attention_redirected:
+        return
+    _torch_flex = flex_module.flex_attention
+    _torch_flex_signature = inspect.signature(_torch_flex)
+    functools.update_wrapper(_flex_attention_redirected, _torch_flex)
+    flex_module.flex_attention = _flex_attention_redirected
