@@ -798,18 +798,23 @@ def block_mask_of_program(program: MaskProgram) -> BlockMask:
     return block_mask
 
 
+def as_program(attn_mask) -> MaskProgram | None:
+    """The mask program an attn_mask stands for (itself, or a BlockMask's), or None for anything else."""
+    if isinstance(attn_mask, MaskProgram):
+        return attn_mask
+    if isinstance(attn_mask, BlockMask):
+        return program_of_block_mask(attn_mask)
+    return None
+
+
 def with_program(attn_mask, variant, is_causal: bool, query: torch.Tensor, key: torch.Tensor):
     """(attn_mask, variant) of a call: a mask program (or a BlockMask, as its program) given as attn_mask moves
     into the variant (its tiles viewed as (B, H_q, NQ, NK), its band into the call's window); a tensor or None
     stays where it is."""
-    if attn_mask is None or isinstance(attn_mask, torch.Tensor):
-        return attn_mask, variant
-    if isinstance(attn_mask, BlockMask):
-        attn_mask = program_of_block_mask(attn_mask)
-    if not isinstance(attn_mask, MaskProgram):
-        return attn_mask, variant  # refused by the mask checks, which name what came
+    program = as_program(attn_mask)
+    if program is None:
+        return attn_mask, variant  # a tensor or None; anything else is refused by the mask checks
     len_q, len_k = query.shape[2], key.shape[2]
-    program = attn_mask
     if program.band is not None:
         banded = _with_band(variant, is_causal, program.band, len_q, len_k)
         if banded is None:
@@ -827,12 +832,10 @@ def with_sequences_program(attn_mask, variant, is_causal: bool, query: torch.Ten
     diagonal offset (each sequence has its own diagonal); otherwise it stays in the bits."""
     if attn_mask is None:
         return variant
-    if isinstance(attn_mask, BlockMask):
-        attn_mask = program_of_block_mask(attn_mask)
-    if not isinstance(attn_mask, MaskProgram):
+    program = as_program(attn_mask)
+    if program is None:
         raise TypeError(f"attn_mask: expected None, a mask program (fused_attn.masks.mask_program) or a BlockMask "
                         f"for a packed batch, got {type(attn_mask).__name__}")
-    program = attn_mask
     if program.band is not None:
         banded = _with_band(variant, is_causal, program.band, program.len_q, program.len_k)
         if banded is None or banded.diagonal_shift or banded.bottom_right != variant.bottom_right:

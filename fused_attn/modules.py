@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import masks
 from .backends import reference
 from .dropout import Dropout, next_rng
 from .functional import _split_heads, split_heads_attention
@@ -117,6 +118,10 @@ class MultiheadAttention(nn.MultiheadAttention):
                 raise ValueError(f"{name}: expected embedding size {size}, got {tensor.shape[-1]}")
 
         q, k, v = self._project(query, key, value)
+        program = masks.as_program(attn_mask)
+        if program is not None:
+            self._check_program_options(key_padding_mask)
+            attn_mask = None
         attn_mask = _attend_mask(attn_mask, q.dtype)
         padding = key_padding_mask
         if self.bias_k is not None:
@@ -133,6 +138,10 @@ class MultiheadAttention(nn.MultiheadAttention):
 
         dropout_p = self.dropout if self.training else 0.0
         options = dict(attn_mask=attn_mask, is_causal=is_causal, key_padding_mask=padding)
+        if program is not None:
+            options["attn_mask"] = program
+            # Weights returned are (N, H, L, S) anyway: their unfused pass takes the program's mask as a tensor.
+            attn_mask = program.dense()
         variant = self._variant_keywords()
         weights = None
         if need_weights and dropout_p > 0.0:
@@ -148,7 +157,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             out = split_heads_attention(q, k, v, self.num_heads, dropout_p=dropout_p,
                                         batch_first=self.batch_first, backend=self.backend, **options, **variant)
             if need_weights:
-                weights = self._weights(q, k, **options, variant=variant)
+                weights = self._weights(q, k, **dict(options, attn_mask=attn_mask), variant=variant)
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
 
         if weights is not None and average_attn_weights:
@@ -157,6 +166,15 @@ class MultiheadAttention(nn.MultiheadAttention):
             out = out.squeeze(batch_dim)
             weights = None if weights is None else weights.squeeze(0)
         return out, weights
+
+    def _check_program_options(self, key_padding_mask) -> None:
+        """What a mask program given as attn_mask cannot describe: keys the module appends, additive padding."""
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("attn_mask: a mask program is not taken with add_bias_kv or add_zero_attn (the key "
+                             "they append lies outside the program's keys); pass the mask as a tensor")
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask: expected a bool mask with a mask program as attn_mask, got "
+                            f"{key_padding_mask.dtype}")
 
     @staticmethod
     def _one_key(tensor, batch_dim):

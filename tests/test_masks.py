@@ -203,3 +203,25 @@ def test_packed_batch_takes_a_program_per_sequence(generator, dtype):
     short = masks.mask_program(masks.chunks(10), len_q=200)
     with pytest.raises(ValueError, match="does not cover the longest sequences"):
         fused_attn.attention_varlen(q, k, v, cu, cu, attn_mask=short)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_takes_programs(generator, need_weights):
+    """fused_attn.MultiheadAttention with a program (or its BlockMask) as attn_mask equals torch's module given
+    the same mask as a tensor (torch's convention: True = hidden)."""
+    torch.manual_seed(0)
+    module = fused_attn.MultiheadAttention(32, 4, batch_first=True)
+    reference = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    reference.load_state_dict(module.state_dict())
+    x = torch.randn(2, 300, 32, generator=generator)
+    padding = torch.zeros(2, 300, dtype=torch.bool)
+    padding[1, 250:] = True
+    program = masks.mask_program(masks.documents(random_ids(generator, 1, 300, 4)[0]) & masks.causal(), len_q=300)
+    out, weights = module(x, x, x, attn_mask=program, key_padding_mask=padding, need_weights=need_weights)
+    expected, expected_weights = reference(x, x, x, attn_mask=~program.dense()[0, 0], key_padding_mask=padding,
+                                           need_weights=need_weights)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    if need_weights:
+        torch.testing.assert_close(weights, expected_weights, atol=2e-6, rtol=2e-5)
+    with pytest.raises(ValueError, match="attn_mask: a mask program is not taken with add_bias_kv"):
+        fused_attn.MultiheadAttention(32, 4, batch_first=True, add_bias_kv=True)(x, x, x, attn_mask=program)
