@@ -616,34 +616,39 @@ def mask_program(mask, batch=None, heads=None, len_q=None, len_k=None, device=No
     return _evaluated_program(mask_mod, shape, len_q, len_k, device)
 
 
+def _slice_counts(mask_mod, b, h, q, keys, len_q: int, len_k: int) -> torch.Tensor:
+    """How many pairs of each tile of a slice of rows the mask sees: q (R, 1) and keys (1, NK · TILE) indices, past
+    the lengths where the slice overhangs them (counted as unseen): (R / TILE, NK) int32. (torch.compile fuses
+    it into one pass, about 3× faster on two threads for a document mask at L = 8192, but would compile a
+    mask_mod made anew for each batch, a closure over that batch's tensors, again each time, for seconds.)"""
+    inside = (q < len_q) & (keys < len_k)
+    seen = torch.as_tensor(mask_mod(b, h, q.clamp(max=len_q - 1), keys.clamp(max=len_k - 1)), device=q.device)
+    rows, cols = q.shape[0], keys.shape[1]
+    seen = torch.broadcast_to(seen & inside, (rows, cols))
+    return seen.reshape(rows // TILE, TILE, cols // TILE, TILE).sum(dim=(1, 3), dtype=torch.int32)
+
+
 def _evaluated_program(mask_mod, shape, len_q, len_k, device) -> MaskProgram:
-    """A plain mask_mod's program: every pair evaluated, ROWS_PER_SLICE query rows × L_k keys at a time."""
+    """A plain mask_mod's program: every pair counted, ROWS_PER_SLICE query rows × L_k keys at a time, then the
+    bits of the tiles neither empty nor full evaluated."""
     batch, heads, nq, nk = shape
-    states = torch.empty(shape, dtype=torch.int32, device=device)
-    partial_bits = []
-    keys = torch.arange(nk * TILE, device=device).clamp(max=len_k - 1).view(1, -1)
-    key_inside = (torch.arange(nk * TILE, device=device) < len_k).view(1, 1, nk, TILE)
+    rows = min(ROWS_PER_SLICE, nq * TILE)
+    keys = torch.arange(nk * TILE, device=device).view(1, -1)
+    in_range = (torch.arange(nq, device=device) * -TILE + len_q).clamp(0, TILE)[:, None] * \
+        (torch.arange(nk, device=device) * -TILE + len_k).clamp(0, TILE)[None, :]
+    seen = torch.empty((batch, heads, -(-nq * TILE // rows) * rows // TILE, nk), dtype=torch.int32, device=device)
     for b in range(batch):
         for h in range(heads):
             b_index = torch.tensor(b, device=device).view(1, 1)
             h_index = torch.tensor(h, device=device).view(1, 1)
-            for row0 in range(0, nq * TILE, ROWS_PER_SLICE):
-                rows = min(ROWS_PER_SLICE, nq * TILE - row0)
+            for row0 in range(0, nq * TILE, rows):
                 q = torch.arange(row0, row0 + rows, device=device).view(-1, 1)
-                inside = ((q < len_q).view(rows // TILE, TILE, 1, 1)) & key_inside
-                seen = torch.as_tensor(mask_mod(b_index, h_index, q.clamp(max=len_q - 1), keys), device=device)
-                seen = seen.expand(rows, nk * TILE).reshape(rows // TILE, TILE, nk, TILE) & inside
-                some = seen.any(dim=3).any(dim=1)
-                every = (seen | ~inside).all(dim=3).all(dim=1)
-                tile_rows = slice(row0 // TILE, row0 // TILE + rows // TILE)
-                state = torch.where(every, FULL, torch.where(some, PENDING, EMPTY)).to(torch.int32)
-                states[b, h, tile_rows] = state
-                partial = state == PENDING
-                if bool(partial.any()):
-                    partial_bits.append(_pack_bits(seen.permute(0, 2, 1, 3)[partial]))
-    bits = torch.cat(partial_bits) if partial_bits else torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device)
-    pending = torch.ones(bits.shape[0], dtype=torch.bool, device=device)  # tiles known to be neither empty nor full
-    return _finish(mask_mod, states, (bits, pending, ~pending), len_q, len_k)
+                seen[b, h, row0 // TILE:(row0 + rows) // TILE] = _slice_counts(mask_mod, b_index, h_index, q, keys, len_q,
+                                                                               len_k)
+    seen = seen[:, :, :nq]
+    states = torch.where(seen == 0, EMPTY, torch.where(seen == in_range, FULL, PENDING)).to(torch.int32)
+    evaluated = _evaluate_tiles(mask_mod, (states == PENDING).nonzero(), len_q, len_k)
+    return _finish(mask_mod, states, evaluated, len_q, len_k)
 
 
 def _device_of(mask_mod) -> torch.device:
