@@ -25,7 +25,7 @@ import fused_attn
 from fused_attn import masks
 
 from . import report, timing
-from .variants_bench import DTYPES, runner, tensors
+from .variants_bench import DTYPES, print_rows, runner, tensors
 
 HEADS, DIM, DOCUMENTS, PREFIX, CHUNK = 8, 64, 8, 1024, 1024
 
@@ -180,14 +180,9 @@ def main(argv=None) -> int:
             print("\nbuild\n\n| program from | build (ms) | one forward (ms) | build / forward |\n|---|---|---|---|")
             print("\n".join(build_rows(args.length, args.rounds)), flush=True)
             continue
-        print(f"\n{name}\n\n| dtype | pass | times (ms) | ratios | rounds |\n|---|---|---|---|---|")
-        for dtype_name in args.dtypes:
-            for backward in (False, True):
-                times, ratios, rounds = measure(name, DTYPES[dtype_name], args.length, backward, args.rounds,
-                                                args.budget)
-                print(f"| {dtype_name} | {'fwd+bwd' if backward else 'fwd'} | "
-                      + ", ".join(f"{label} {ms:.1f}" for label, ms in times.items()) + " | "
-                      + "; ".join(f"{text}: {value:.2f}" for text, value in ratios) + f" | {rounds} |", flush=True)
+        print(f"\n{name}\n")
+        print_rows(lambda dtype, backward: measure(name, dtype, args.length, backward, args.rounds, args.budget),
+                   args.dtypes)
     return 0
 
 

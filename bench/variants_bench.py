@@ -146,15 +146,21 @@ def main(argv=None) -> int:
     for name in args.only:
         shape = EXPERIMENTS[name][0]
         print(f"\n{name}: B={shape[0]}, H={shape[1]}, L_q={shape[2]}, L_k={shape[3]}, D={shape[4]}\n")
-        print("| dtype | pass | times (ms) | ratios | rounds |")
-        print("|---|---|---|---|---|")
-        for dtype_name in args.dtypes:
-            for backward in (False, True):
-                times, ratios, rounds = measure(name, DTYPES[dtype_name], backward, args.rounds, args.budget)
-                print(f"| {dtype_name} | {'fwd+bwd' if backward else 'fwd'} | "
-                      + ", ".join(f"{label} {ms:.1f}" for label, ms in times.items()) + " | "
-                      + "; ".join(f"{text}: {value:.2f}" for text, value in ratios) + f" | {rounds} |", flush=True)
+        print_rows(lambda dtype, backward: measure(name, dtype, backward, args.rounds, args.budget), args.dtypes)
     return 0
+
+
+def print_rows(measure_row, dtype_names) -> None:
+    """The table of one experiment: a row per dtype and pass, `measure_row(dtype, backward)` giving its
+    ({label: ms}, [(ratio text, value)], rounds)."""
+    print("| dtype | pass | times (ms) | ratios | rounds |")
+    print("|---|---|---|---|---|")
+    for dtype_name in dtype_names:
+        for backward in (False, True):
+            times, ratios, rounds = measure_row(DTYPES[dtype_name], backward)
+            print(f"| {dtype_name} | {'fwd+bwd' if backward else 'fwd'} | "
+                  + ", ".join(f"{label} {ms:.1f}" for label, ms in times.items()) + " | "
+                  + "; ".join(f"{text}: {value:.2f}" for text, value in ratios) + f" | {rounds} |", flush=True)
 
 
 if __name__ == "__main__":
