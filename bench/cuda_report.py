@@ -12,8 +12,9 @@ translation unit (run on the CPU, it makes no CUDA call); `cuobjdump --dump-sass
 one in the Triton wheel) counts the tensor-core instructions (HMMA; HGMMA would be warpgroup MMA on
 sm_90, which WMMA does not use).
 
-Causal masking, dropout and the mask gradient are runtime arguments of these kernels, so every
-instance carries their code and `causal` is None in every row; `philox_rounds` counts the multiplies
+Causal masking, dropout, the mask gradient and mask programs (block-sparse masks: the tile skip and the
+per-score bit test) are runtime arguments of these kernels, so every instance carries their code and
+`causal` is None in every row; `philox_rounds` counts the multiplies
 by Philox's first constant in the SASS (ten per Philox4x32-10 block), which shows the dropout stream
 is compiled into the forward and both backward tile kernels (and left out of the decode kernel,
 which never drops).

@@ -1,6 +1,7 @@
 """The `cuda` backend's kernels compiled by nvcc for sm_80 and sm_90, judged by ptxas's own report.
 
-Every shipped template instance (the split-KV decode kernels' too): no spills, registers within what __launch_bounds__ allows, shared
+Every shipped template instance (the split-KV decode kernels' too), each with the code of every runtime
+feature (dropout, mask programs, ...): no spills, registers within what __launch_bounds__ allows, shared
 memory within the target's limit (and within 99 KB, so sm_86/sm_89 run them too), tensor-core
 instructions in the fp16/bf16 tile products and none in the fp32 ones. Skips only where nvcc is
 absent. The rows are the cuda rows of `python -m bench.inspect --json`, run once per test session

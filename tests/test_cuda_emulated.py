@@ -1,6 +1,6 @@
 """The `cuda` backend's kernels against the float64 reference, by the criterion of DESIGN.md: ordinary
-calls, the split-KV decode kernels (few query rows) and packed batches (attention_varlen, against
-tests/test_varlen.py's padded definition).
+calls, the split-KV decode kernels (few query rows), packed batches (attention_varlen, against
+tests/test_varlen.py's padded definition), attention sinks and mask programs (fused_attn.masks).
 
 Without a GPU (`emulated_cuda`): csrc/cuda is compiled with the host compiler against the emulation
 of the CUDA execution model in tests/emulation and run on CPU tensors; the host glue that checks the
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn import testing
+from fused_attn import masks, testing
 from fused_attn.backends import registry
 from fused_attn.backends.extension import dropout_args
 from fused_attn.dropout import Dropout, peek_rng
@@ -526,8 +526,9 @@ def test_emulated_glue_rejects_bad_backward_arguments(emulated):
 @pytest.mark.emulated_cuda
 @pytest.mark.parametrize("sanitizer", ["thread", "address,undefined"])
 def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
-    """Every kernel, forward, backward (also of a packed batch) and decode, with ThreadSanitizer (shared-memory races: a missing
-    __syncthreads) or AddressSanitizer + UBSan (out-of-bounds accesses, undefined behaviour)."""
+    """Every kernel, forward, backward (also of a packed batch, and with a mask program) and decode (also with a
+    mask program), with ThreadSanitizer (shared-memory races: a missing __syncthreads) or AddressSanitizer + UBSan
+    (out-of-bounds accesses, undefined behaviour)."""
     import subprocess
 
     build = _build_module()
@@ -539,7 +540,7 @@ def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
         pytest.skip(f"{sanitizer} sanitizer cannot start here: {done.stderr.strip()[:200]}")
     assert done.returncode == 0, done.stdout + done.stderr[-8000:]
     assert "Sanitizer" not in done.stderr and "runtime error" not in done.stderr, done.stderr[-8000:]
-    assert done.stdout.count(": ok") == 7, done.stdout
+    assert done.stdout.count(": ok") == 9, done.stdout
 
 
 # ---- attention sinks --------------------------------------------------------------------------------
@@ -725,7 +726,7 @@ def test_emulated_glue_rejects_bad_sinks(emulated, sinks, message):
     bounds = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(RuntimeError, match=message):
         emulated.forward_varlen(packed, packed, packed, bounds, bounds, 8, 8, False, 0.25, torch.empty_like(packed),
-                                torch.empty(2, 8), 0.0, None, -1, -1, False, 0.0, None, 0, sinks)
+                                torch.empty(2, 8), 0.0, None, -1, -1, False, 0.0, None, 0, sinks=sinks)
 
 
 def test_backend_takes_sinks():
@@ -757,6 +758,188 @@ def test_cuda_sinks_varlen(name, generator):
     testing.assert_close_to_reference(actual, varlen_tests.reference_of(inputs, torch.float64),
                                       varlen_tests.reference_of(inputs, dtype), dtype)
     check_keyless_sequences(actual, on_gpu)
+
+
+# ---- mask programs ---------------------------------------------------------------------------------
+
+def program_runs(cases: dict, default_dtypes: int = 1) -> list:
+    """(name, dtype, rotation) of every case in every dtype, case i in rotation i + (the dtype's index) of the
+    layouts, so that each case meets three layouts; the first `default_dtypes` dtypes of each case (taken in
+    turn from DTYPES) run by default, the others are marked slow (several tiles of 128 each way make these
+    the longest emulated runs: 5-35 s each here)."""
+    runs = []
+    for i, name in enumerate(cases):
+        for shift in range(len(DTYPES)):
+            dtype = DTYPES[(i + shift) % len(DTYPES)]
+            rotation = (i + shift) % len(LAYOUTS)
+            runs.append(pytest.param(name, dtype, rotation, id=f"{name}-{str(dtype)[6:]}-{rotation}",
+                                     marks=[pytest.mark.slow] if shift >= default_dtypes else []))
+    return runs
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("name,dtype,rotation", program_runs(testing.PROGRAM_CASES))
+def test_emulated_mask_programs_match_reference(emulated, name, dtype, rotation, generator):
+    """testing.PROGRAM_CASES, forward and backward: random programs (EMPTY, FULL and partial tiles) with
+    dropout, GQA, padding, softcap, ALiBi, windows, alignments, sinks and rows that see no key; the case with
+    few query rows runs the decode kernels forward."""
+    case = testing.PROGRAM_CASES[name]
+    inputs = testing.random_inputs(case, dtype, rotation, generator)
+    decode = emulated.decode_splits(inputs.query, inputs.key, inputs.value, case.dropout_p,
+                                    *dropout_args(inputs.dropout())[1:])
+    assert (decode > 0) == (case.len_q <= 16 and case.dropout_p == 0.0), decode
+    testing.check_inputs(run_emulated(emulated, inputs), inputs)
+
+
+# The decode kernels with programs that differ between the query heads of a GQA group (a key block is
+# skipped only when every head's tile is EMPTY there), one split or three.
+PROGRAM_DECODE_CASES = {
+    "per_head_gqa_sinks": Case(heads_q=4, heads_kv=2, len_q=5, len_k=300, program="per_head_function", sinks=True),
+    "documents_padding_group_of_16": Case(heads_q=8, heads_kv=1, len_q=2, len_k=600, program="documents",
+                                          key_padding=True, dim_qk=24, dim_v=40),
+}
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("splits", [None, "3"])
+@pytest.mark.parametrize("name", list(PROGRAM_DECODE_CASES))
+def test_emulated_mask_programs_in_decode_kernels(emulated, name, splits, generator, monkeypatch):
+    if splits is not None:
+        monkeypatch.setenv("FUSED_ATTN_CUDA_DECODE_SPLITS", splits)
+    index = list(PROGRAM_DECODE_CASES).index(name)
+    inputs = testing.random_inputs(PROGRAM_DECODE_CASES[name], DTYPES[index], index + 1, generator)
+    assert emulated.decode_splits(inputs.query, inputs.key, inputs.value) == (3 if splits else index + 1)
+    testing.check_inputs(run_emulated_forward(emulated, inputs), inputs)
+
+
+def with_nan_outside_the_program(inputs: testing.Inputs, key_tiles: list[int], query_tiles: list[int] = ()):
+    """`inputs` with NaN keys and values in the key tiles `key_tiles` and NaN queries in the query tiles
+    `query_tiles` (of masks.TILE), which the program leaves EMPTY for every query, key and head."""
+    tile = masks.TILE
+    with torch.no_grad():
+        for t in key_tiles:
+            for tensor in (inputs.key, inputs.value):
+                tensor[:, :, t * tile:(t + 1) * tile] = float("nan")
+        for t in query_tiles:
+            inputs.query[:, :, t * tile:(t + 1) * tile] = float("nan")
+    return inputs
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_empty_tiles_are_never_read(emulated, generator):
+    """Key tile 2 and query tile 1 are EMPTY throughout the program (tile 0 of the keys FULL for the other
+    query tiles, the rest partial): NaN keys, values and queries there give the results of clean ones, forward
+    and backward. Were an EMPTY block visited, a NaN value would reach the output (0 · NaN) and the gradients."""
+    case = Case(batch=1, heads_q=2, heads_kv=1, len_q=300, len_k=400, dim_qk=32, lse_grad=True)
+    inputs = testing.random_inputs(case, torch.float16, 2, generator)
+
+    def mask(b, h, q_idx, kv_idx):
+        sparse = (kv_idx < masks.TILE) | ((q_idx * 7 + kv_idx * (h + 3)) % 5 != 0)
+        return (q_idx // masks.TILE != 1) & (kv_idx // masks.TILE != 2) & sparse
+
+    program = masks.mask_program(mask, None, case.heads_q, case.len_q, case.len_k)
+    assert (program.tiles[0, :, :, 2] == masks.EMPTY).all() and (program.tiles[0, :, 1] == masks.EMPTY).all()
+    assert (program.tiles[0, :, ::2, 0] == masks.FULL).all() and (program.tiles >= 0).sum() == 8
+    inputs = dataclasses.replace(inputs, program=program)
+    expected = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, torch.float16)
+    actual = run_emulated(emulated, with_nan_outside_the_program(inputs, key_tiles=[2], query_tiles=[1]))
+    testing.assert_close_to_reference(actual, *expected, torch.float16)
+    assert (actual.grad_key[:, :, 2 * masks.TILE:3 * masks.TILE] == 0).all()
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_decode_skips_key_blocks_empty_for_the_whole_group(emulated, generator):
+    """Decode, GQA groups of 2 heads: key tile 1 is EMPTY for both (NaN keys and values there change nothing),
+    key tile 0 for the first head of each group only (read for the second, hidden from the first by its
+    state)."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, len_q=3, len_k=400, dim_qk=32)
+    inputs = testing.random_inputs(case, torch.bfloat16, 3, generator)
+
+    def mask(b, h, q_idx, kv_idx):
+        tile = kv_idx // masks.TILE
+        return (tile != 1) & ((tile != 0) | (h % 2 == 1)) & ((kv_idx + q_idx) % 3 != h % 3)
+
+    program = masks.mask_program(mask, None, case.heads_q, case.len_q, case.len_k)
+    assert (program.tiles[0, :, 0, 1] == masks.EMPTY).all() and (program.tiles[0, ::2, 0, 0] == masks.EMPTY).all()
+    assert (program.tiles[0, 1::2, 0, 0] >= 0).all()
+    inputs = dataclasses.replace(inputs, program=program)
+    assert emulated.decode_splits(inputs.query, inputs.key, inputs.value) > 0
+    expected = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, torch.bfloat16)
+    actual = run_emulated_forward(emulated, with_nan_outside_the_program(inputs, key_tiles=[1]))
+    testing.assert_close_to_reference(actual, *expected, torch.bfloat16)
+
+
+def program_tensors(heads=2, q_tiles=1, k_tiles=1, partial=1):
+    """A valid (tiles, bits) pair for a (1, heads, ≤128·q_tiles, ≤128·k_tiles) call: every tile partial 0."""
+    return (torch.zeros(1, heads, q_tiles, k_tiles, dtype=torch.int32),
+            torch.zeros(partial, masks.TILE, masks.WORDS, dtype=torch.int32))
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("change, message", [
+    (dict(block_bits=None), "flash_(for|back)ward: block_tiles, block_bits: expected both or neither"),
+    (dict(block_tiles=torch.zeros(1, 2, 1, 1, dtype=torch.int64)), "flash_(for|back)ward: block_tiles: expected int32"),
+    (dict(block_tiles=torch.zeros(1, 2, 2, 1, dtype=torch.int32)), "flash_(for|back)ward: block_tiles: expected shape"),
+    (dict(block_bits=torch.zeros(1, masks.TILE, 8, dtype=torch.int32)), "flash_(for|back)ward: block_bits: expected a"),
+    (dict(block_tiles=torch.ones(1, 2, 1, 1, dtype=torch.int32)), "flash_(for|back)ward: block_tiles: expected -1"),
+])
+def test_emulated_glue_rejects_bad_programs(emulated, change, message):
+    q = torch.zeros(1, 2, 8, 16)
+    tiles, bits = program_tensors()
+    args = dict(block_tiles=tiles, block_bits=bits)
+    args.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        emulated.forward(q, q, q, None, None, False, 0.25, torch.empty_like(q), **args)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(RuntimeError, match=message):
+        emulated.backward(q, q, q, None, None, False, 0.25, q, lse, q, None, 0.0, None, None, -1, -1, False, 0.0,
+                          None, 0, args["block_tiles"], args["block_bits"])
+
+
+@pytest.mark.emulated_cuda
+def test_emulated_varlen_glue_refuses_programs(emulated):
+    packed = torch.zeros(8, 2, 16)
+    bounds = torch.tensor([0, 8], dtype=torch.int32)
+    tiles, bits = program_tensors()
+    args = (packed, packed, packed, bounds, bounds, 8, 8, False, 0.25)
+    with pytest.raises(RuntimeError, match="flash_forward_varlen: block_tiles: a mask program is not taken"):
+        emulated.forward_varlen(*args, torch.empty_like(packed), torch.empty(2, 8), 0.0, None, -1, -1, False, 0.0,
+                                None, 0, tiles, bits)
+    with pytest.raises(RuntimeError, match="flash_backward_varlen: block_tiles: a mask program is not taken"):
+        emulated.backward_varlen(*args, packed, torch.zeros(2, 8), packed, None, 0.0, None, -1, -1, False, 0.0, None,
+                                 0, tiles, bits)
+
+
+def test_backend_takes_mask_programs_but_not_with_packed_batches():
+    from fused_attn.problem import Problem
+
+    backend = registry.get("cuda")
+    assert "mask_program" in backend.takes_score_variants
+    q = torch.empty(1, 2, 8, 16, dtype=torch.float16)
+    dense = Problem.of(q, q, q, None, None, False, 0.0)
+    program = dense._replace(score_features=("mask_program",))
+    assert not any("mask program" in reason for reason in backend.refusals(program))
+    reasons = backend.refusals(program._replace(varlen=True))
+    assert any("a mask program with a packed batch (attention_varlen)" in reason for reason in reasons)
+    tiles, bits = program_tensors()
+    variant = dataclasses.replace(PLAIN, block_tiles=tiles, block_bits=bits)
+    packed = torch.zeros(8, 2, 16)
+    bounds = torch.tensor([0, 8], dtype=torch.int32)
+    args = (packed, packed, packed, bounds, bounds, 8, 8, False, 0.25)
+    with pytest.raises(ValueError, match="cuda: block_tiles: a mask program with a packed batch"):
+        backend.forward_varlen(*args, torch.empty_like(packed), torch.empty(2, 8), None, variant)
+    with pytest.raises(ValueError, match="cuda: block_tiles: a mask program with a packed batch"):
+        backend.backward_varlen(*args, packed, torch.zeros(2, 8), packed, None, None, variant)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", [*testing.PROGRAM_CASES, *PROGRAM_DECODE_CASES])
+def test_cuda_mask_programs_match_reference(name, dtype, generator):
+    """Through `attention(..., attn_mask=program)` (the program on the device, as a user passes it)."""
+    cases = {**testing.PROGRAM_CASES, **PROGRAM_DECODE_CASES}
+    inputs = testing.random_inputs(cases[name], dtype, 1, generator, "cuda")
+    testing.check_inputs(testing.run_attention(inputs, "cuda"), inputs)
 
 
 # ---- the backend's registration -------------------------------------------------------------------

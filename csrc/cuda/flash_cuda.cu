@@ -75,6 +75,7 @@ at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at
                         const std::optional<at::Tensor>& dropout_rng, int64_t window_left,
                         int64_t window_right, bool bottom_right, double softcap,
                         const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                        const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits,
                         const std::optional<at::Tensor>& sinks) {
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, dropout_rng, "dropout_rng");
@@ -83,7 +84,8 @@ at::Tensor forward_cuda(const at::Tensor& query, const at::Tensor& key, const at
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p,
                        dropout_rng,
-                       {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks},
+                       {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+                        block_bits, sinks},
                        launcher_for(query));
 }
 
@@ -94,7 +96,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
     const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift, const std::optional<at::Tensor>& block_tiles,
+    const std::optional<at::Tensor>& block_bits) {
   check_attention_devices(query, key, value, attn_mask, key_padding_mask, out);
   check_device(query, lse, "lse");
   check_device(query, grad_out, "grad_out");
@@ -105,7 +108,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse,
                         grad_out, grad_lse, dropout_p, dropout_rng, grad_mask,
-                        {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift}, launcher_for(query));
+                        {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+                         block_bits},
+                        launcher_for(query));
 }
 
 // The tensors of a packed batch's forward and backward alike: query on a CUDA device, the others on the
@@ -128,13 +133,15 @@ void forward_varlen_cuda(const at::Tensor& query, const at::Tensor& key, const a
                          const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
                          int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
                          const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                         const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits,
                          const std::optional<at::Tensor>& sinks) {
   check_packed_devices(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_rng, alibi_slopes);
   check_device(query, sinks, "sinks");
   const c10::cuda::CUDAGuard guard(query.device());
   flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                        out, lse, dropout_p, dropout_rng,
-                       {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks},
+                       {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
+                        block_bits, sinks},
                        launcher_for(query));
 }
 
@@ -144,14 +151,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen_cuda(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out,
     const std::optional<at::Tensor>& grad_lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift, const std::optional<at::Tensor>& block_tiles,
+    const std::optional<at::Tensor>& block_bits) {
   check_packed_devices(query, key, value, cu_seqlens_q, cu_seqlens_k, out, lse, dropout_rng, alibi_slopes);
   check_device(query, grad_out, "grad_out");
   check_device(query, grad_lse, "grad_lse");
   const c10::cuda::CUDAGuard guard(query.device());
   return flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng,
-                               {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift}, launcher_for(query));
+                               {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
+                                block_tiles, block_bits},
+                               launcher_for(query));
 }
 
 }  // namespace

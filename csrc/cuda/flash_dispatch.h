@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "../block_mask_args.h"
 #include "../output_memory.h"
 #include "flash_kernels.cuh"
 
@@ -199,6 +200,8 @@ struct VariantArgs {
   double softcap = 0.0;
   std::optional<at::Tensor> alibi_slopes;  // float32 (B, H_q), any strides
   int64_t diagonal_shift = 0;              // added to the alignment's diagonal
+  std::optional<at::Tensor> block_tiles;   // a mask program (csrc/block_mask.h), both or neither
+  std::optional<at::Tensor> block_bits;
   std::optional<at::Tensor> sinks;         // float32 (H_q,), contiguous; the forward ops' only
 };
 
@@ -241,6 +244,12 @@ inline void set_variant(AttentionParams& p, const VariantArgs& v) {
     TORCH_CHECK(sinks.is_contiguous(), "fused_attn cuda: sinks must be contiguous, got strides ", sinks.strides());
     p.sinks = sinks.data_ptr<float>();
   }
+}
+
+// The mask program of the call to `op` into the kernel parameters, checked by block_program_of.
+inline void set_program(AttentionParams& p, const char* op, const VariantArgs& v, const at::Tensor& query) {
+  p.program = fused_attn::block_program_of(op, v.block_tiles, v.block_bits, query, p.batch, p.heads_q, p.len_q,
+                                           p.len_k);
 }
 
 // The call's dropout into the kernel parameters: dropout_p in [0, 1) and, when it is above 0, the
@@ -360,7 +369,8 @@ void launch_forward(const ForwardParams& params, at::ScalarType dtype, const Lau
 
 // Writes softmax(scale · Q Kᵀ + masks) V into `out` and returns the log-sum-exp (B, H_q, L_q); with
 // `variant.sinks`, each row's softmax also takes its head's sink (a column without value), and so does
-// the log-sum-exp.
+// the log-sum-exp; with `variant.block_tiles` / `block_bits`, a mask program hides keys too (in the
+// long-query and the decode kernels alike).
 template <typename Launch>
 at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const std::optional<at::Tensor>& attn_mask,
@@ -372,6 +382,7 @@ at::Tensor flash_forward(const at::Tensor& query, const at::Tensor& key, const a
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   set_dropout(params.attn, dropout_p, dropout_rng);
   set_variant(params.attn, variant);
+  set_program(params.attn, "flash_forward", variant, query);
   const at::Tensor spans = set_key_spans(params.attn, key_padding_mask);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
@@ -456,6 +467,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
   params.attn = attention_params(query, key, value, attn_mask, key_padding_mask, is_causal, scale);
   set_dropout(params.attn, dropout_p, dropout_rng);
   set_variant(params.attn, variant);
+  set_program(params.attn, "flash_backward", variant, query);
   const at::Tensor spans = set_key_spans(params.attn, key_padding_mask);
   const AttentionParams& p = params.attn;
   check_like_output(out, "out", query, p);
@@ -580,13 +592,17 @@ inline void check_packed(const at::Tensor& t, const char* name, at::IntArrayRef 
 }
 
 // The problem of a packed batch into `params.attn` (and its dropout and score variant), with `out`
-// (total_q, H_q, D_v) and `lse` (H_q, total_q), fp32, checked; returns the batch's bounds.
+// (total_q, H_q, D_v) and `lse` (H_q, total_q), fp32, checked; returns the batch's bounds. A mask program
+// is refused: its tiles would have to follow each sequence's own lengths, which the kernels do not do yet.
 template <typename Params>
-PackedBatch set_packed_problem(Params& params, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, bool is_causal, double scale, const at::Tensor& out,
-                               const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
-                               const VariantArgs& variant) {
+PackedBatch set_packed_problem(const char* op, Params& params, const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                               int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal, double scale,
+                               const at::Tensor& out, const at::Tensor& lse, double dropout_p,
+                               const std::optional<at::Tensor>& dropout_rng, const VariantArgs& variant) {
+  const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(!given(variant.block_tiles) && !given(variant.block_bits), op,
+              ": block_tiles: a mask program is not taken with a packed batch (attention_varlen) yet");
   PackedBatch packed = packed_batch(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   params.attn = packed_params(query, key, value, packed, is_causal, scale);
   set_dropout(params.attn, dropout_p, dropout_rng);
@@ -617,9 +633,9 @@ void flash_forward_varlen(const at::Tensor& query, const at::Tensor& key, const 
                           const at::Tensor& lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
                           const VariantArgs& variant, const Launch& launch) {
   ForwardParams params{};
-  const PackedBatch packed = set_packed_problem(params, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng,
-                                                variant);
+  const PackedBatch packed =
+      set_packed_problem("flash_forward_varlen", params, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng, variant);
   const AttentionParams& p = params.attn;
   for (const auto& [t, name] : {std::pair{&out, "out"}, {&lse, "lse"}})
     fused_attn::check_output_memory("flash_forward_varlen", name, *t,
@@ -643,9 +659,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward_varlen(
     const std::optional<at::Tensor>& grad_lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
     const VariantArgs& variant, const Launch& launch) {
   BackwardParams params{};
-  const PackedBatch packed = set_packed_problem(params, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng,
-                                                variant);
+  const PackedBatch packed =
+      set_packed_problem("flash_backward_varlen", params, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng, variant);
   const AttentionParams& p = params.attn;
   check_packed(grad_out, "grad_out", {p.total_q, p.heads_q, p.dim_v}, query.scalar_type());
   at::Tensor grad_lse_f32;

@@ -29,6 +29,14 @@
 // itself (enter_sequence), its grid made for the longest sequences; blocks past their sequence's end
 // exit at once.
 //
+// Mask programs (csrc/block_mask.h, fused_attn/masks.py) describe visibility per tile of kTile x kTile.
+// Every kernel block (BM x BN, both dividing kTile, starting at multiples of their size) lies inside
+// one program tile of each query head, so one load of its state decides the block: EMPTY, the block is
+// skipped before its tiles are loaded (the same branch for every thread, so the barriers still
+// match); FULL, nothing is read per score; PARTIAL, final_score tests the pair's bit. The decode
+// kernel's rows belong to the G query heads of a GQA group: it skips a key block only when the tiles
+// of all G heads are EMPTY there, and each row tests its own head's state.
+//
 // Dropout and the mask gradient are runtime arguments, as causal masking is: every instance carries
 // them, so the compile report (bench/cuda_report.py) covers them. Dropout regenerates csrc/dropout.h's
 // stream, one Philox block per thread and four consecutive keys, in the forward and in both backward
@@ -50,6 +58,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../block_mask.h"
 #include "../dropout.h"
 
 #ifndef CUDA_EMULATION
@@ -152,6 +161,8 @@ struct AttentionParams {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   int total_q, total_k;
+  // A mask program (csrc/block_mask.h), absent when program.tiles is null; never with a packed batch.
+  fused_attn::BlockProgram program;
 };
 
 struct ForwardParams {
@@ -459,13 +470,22 @@ __device__ __forceinline__ bool in_band(const AttentionParams& p, int i, int j) 
   return !p.banded || (distance >= -p.window_left && distance <= p.window_right);
 }
 
+// The mask program's state of the tile holding query i and key j of head h (csrc/block_mask.h), or
+// kTileFull without a program: nothing to test per score.
+__device__ __forceinline__ int32_t program_state(const AttentionParams& p, int b, int h, int i, int j) {
+  return p.program.present() ? p.program.tile(b, h, i, j) : fused_attn::kTileFull;
+}
+
 // The scaled score s of (query i, key j) as the softmax takes it (fused_attn/scores.py): capped,
-// plus an additive mask and ALiBi, or -inf when the key is hidden (the band, masks, padding, or
-// beyond the problem). With `cap_grad`, also the cap's derivative 1 - tanh² there.
+// plus an additive mask and ALiBi, or -inf when the key is hidden (the band, the mask program's tile
+// `state` (program_state), masks, padding, or beyond the problem). With `cap_grad`, also the cap's
+// derivative 1 - tanh² there.
 template <typename T>
 __device__ __forceinline__ float final_score(const AttentionParams& p, float s, int b, int h, int i, int j,
-                                             float* cap_grad = nullptr) {
+                                             int32_t state, float* cap_grad = nullptr) {
   if (i >= p.len_q || j >= p.len_k || !in_band(p, i, j)) return -INFINITY;
+  // A partial tile's bit, read only there (an EMPTY tile's rows reach here in the decode kernel alone).
+  if (state != fused_attn::kTileFull && !p.program.sees(state, i, j)) return -INFINITY;
   if (p.key_padding != nullptr &&
       p.key_padding[b * p.key_padding_stride[0] + j * p.key_padding_stride[1]])
     return -INFINITY;
@@ -614,21 +634,40 @@ struct ForwardTiles {
   }
 };
 
+// The rows of a forward block as the mask program sees them: queries of the program's tile row
+// m0 / kTile of the query heads [h_first, h_first + heads): one head in the long-query forward, the GQA
+// group in the decode kernel.
+struct BlockRows {
+  int h_first, heads, m0;
+};
+
+// Whether a forward block visits the key block starting at n0: not when the program's tiles of all its
+// rows' heads are EMPTY there. A function of the block's rows alone, so every thread takes the same branch.
+__device__ __forceinline__ bool visits(const AttentionParams& p, int b, const BlockRows& rows, int n0) {
+  if (!p.program.present()) return true;
+  for (int h = rows.h_first; h < rows.h_first + rows.heads; ++h)
+    if (p.program.tile(b, h, rows.m0, n0) != fused_attn::kTileEmpty) return true;
+  return false;
+}
+
 // The online softmax of the BM query rows staged in tiles.q over the key blocks [n_begin, n_end) of
-// key/value head (k, v): O (tiles.o, zeroed by the caller) accumulates the unnormalised output. The
-// calling thread's row of the tile is query i of query head h (i >= len_q: no query, every score
-// -inf); its running max and sum come back in row_max and row_sum, the sum of the undropped weights.
+// key/value head (k, v) that the block visits (`rows`): O (tiles.o, zeroed by the caller) accumulates
+// the unnormalised output. The calling thread's row of the tile is query i of query head h (i >= len_q:
+// no query, every score -inf); its running max and sum come back in row_max and row_sum, the sum of the
+// undropped weights.
 template <typename T, int HEAD, int BM, int BN>
 __device__ __forceinline__ void attend_key_blocks(const AttentionParams& p, const ForwardTiles<T, HEAD, BM, BN>& tiles,
-                                                  const T* k, const T* v, int b, int h, int i, int n_begin,
-                                                  int n_end, const DropoutStream& dropout, float& row_max,
-                                                  float& row_sum) {
+                                                  const T* k, const T* v, int b, const BlockRows& rows, int h, int i,
+                                                  int n_begin, int n_end, const DropoutStream& dropout,
+                                                  float& row_max, float& row_sum) {
   using Tiles = ForwardTiles<T, HEAD, BM, BN>;
   constexpr int LD = Tiles::LD, LDS = Tiles::LDS, LDP = Tiles::LDP, LDO = Tiles::LDO, LANES = Tiles::LANES;
   const int row = threadIdx.x / LANES, lane = threadIdx.x % LANES;
   row_max = -INFINITY;
   row_sum = 0.0f;
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
+    if (!visits(p, b, rows, n0)) continue;  // before any load or barrier, on every thread alike
+    const int32_t state = program_state(p, b, h, i, n0);
     load_tile<T, BN, HEAD>(tiles.k, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
     load_tile<T, BN, HEAD>(tiles.v, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
     __syncthreads();
@@ -638,7 +677,7 @@ __device__ __forceinline__ void attend_key_blocks(const AttentionParams& p, cons
     float* s_row = tiles.s + row * LDS;
     float tile_max = -INFINITY;
     for (int j = lane; j < BN; j += LANES) {
-      const float s = final_score<T>(p, s_row[j] * p.scale, b, h, i, n0 + j);
+      const float s = final_score<T>(p, s_row[j] * p.scale, b, h, i, n0 + j, state);
       s_row[j] = s;
       tile_max = fmaxf(tile_max, s);
     }
@@ -690,8 +729,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
   key_blocks_of<BN>(p, b, m0, m0 + BM - 1, n_begin, n_end);
   float row_max, row_sum;
   attend_key_blocks<T, HEAD, BM, BN>(p, tiles, head_of<const T>(p.k, p.k_stride, b, h_kv),
-                                     head_of<const T>(p.v, p.v_stride, b, h_kv), b, h, i, n_begin, n_end,
-                                     DropoutStream::of(p, b), row_max, row_sum);
+                                     head_of<const T>(p.v, p.v_stride, b, h_kv), b, BlockRows{h, 1, m0}, h, i,
+                                     n_begin, n_end, DropoutStream::of(p, b), row_max, row_sum);
 
   // The sink joins the row here; a row that saw no key (nor a sink): output 0, log-sum-exp -inf.
   if (lane == 0) {
@@ -743,8 +782,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_decode_kernel(const DecodeP
   n_begin = max_int(n_begin, split * params.keys_per_split);
   n_end = min_int(n_end, (split + 1) * params.keys_per_split);
   float row_max, row_sum;
+  // Every query lies in the program's first tile row (L_q <= kDecodeMaxQueries < kTile).
   attend_key_blocks<T, HEAD, BM, BN>(p, tiles, head_of<const T>(p.k, p.k_stride, b, h_kv),
-                                     head_of<const T>(p.v, p.v_stride, b, h_kv), b, h, i, n_begin, n_end,
+                                     head_of<const T>(p.v, p.v_stride, b, h_kv), b,
+                                     BlockRows{h_kv * p.group, p.group, 0}, h, i, n_begin, n_end,
                                      DropoutStream::none(), row_max, row_sum);
 
   const int64_t part = (static_cast<int64_t>(b) * p.heads_kv + h_kv) * params.splits + split;
@@ -848,10 +889,11 @@ __device__ __forceinline__ void load_row_stats(const BackwardParams& params, con
 // dS = P * (dP - delta), stored in the element type for the next tile products (P only if p_s).
 // With dropout, O = (Z ∘ P / (1 - p)) V for the keep mask Z: the stored P is Z ∘ P (dV scales by
 // 1 / (1 - p) at the end) and the gradient of the undropped weights is Z ∘ dP / (1 - p). With a
-// `grad_mask` (the dK/dV kernel's tiles), dS is also written there: the gradient of the mask.
+// `grad_mask` (the dK/dV kernel's tiles), dS is also written there: the gradient of the mask. `state`:
+// the mask program's state of the tile (program_state; never EMPTY, those tiles are skipped).
 template <typename T, int BM, int BN>
 __device__ __forceinline__ void probabilities_and_grads(const BackwardParams& params, const AttentionParams& p,
-                                                        int b, int h, int m0, int n0, const float* s_s,
+                                                        int b, int h, int m0, int n0, int32_t state, const float* s_s,
                                                         const float* dp_s, int lds,
                                                         const float* lse_s, const float* delta_s,
                                                         T* p_s, T* ds_s, int ldp, T* grad_mask) {
@@ -864,7 +906,7 @@ __device__ __forceinline__ void probabilities_and_grads(const BackwardParams& pa
     for (int c = 0; c < 4; ++c) {
       const int j = j4 + c;
       float cap_grad = 1.0f;
-      const float s = final_score<T>(p, s_s[r * lds + j] * p.scale, b, h, i, n0 + j, &cap_grad);
+      const float s = final_score<T>(p, s_s[r * lds + j] * p.scale, b, h, i, n0 + j, state, &cap_grad);
       // lse -inf: the row sees no key, its gradients are 0 (never exp(-inf - -inf) = NaN).
       const float probability = (lse == -INFINITY || s == -INFINITY) ? 0.0f : expf(s - lse);
       const bool keep = kept >> c & 1u;
@@ -932,6 +974,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                        ? nullptr
                        : head_of<T>(params.grad_mask, params.grad_mask_stride, b, h);
     for (int m0 = m_begin; m0 < m_end; m0 += BM) {
+      const int32_t state = program_state(p, b, h, m0, n0);
+      // The same state for every thread: the skip is taken before any load or barrier by all of them.
+      if (state == fused_attn::kTileEmpty) continue;
       load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
       load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2],
                              params.grad_out_stride[3], m0, p.len_q, p.dim_v);
@@ -940,7 +985,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
       block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
       __syncthreads();
-      probabilities_and_grads<T, BM, BN>(params, p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s, p_s,
+      probabilities_and_grads<T, BM, BN>(params, p, b, h, m0, n0, state, s_s, dp_s, LDS, lse_s, delta_s, p_s,
                                          ds_s, LDP, grad_mask);
       __syncthreads();
       block_gemm<T, BN, HEAD, BM, true, false, true>(p_s, LDP, do_s, LD, dv_s, LDA);  // += Pᵀ dO
@@ -1002,13 +1047,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
   int n_begin, n_end;
   key_blocks_of<BN>(p, b, m0, m0 + BM - 1, n_begin, n_end);
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
+    const int32_t state = program_state(p, b, h, m0, n0);
+    if (state == fused_attn::kTileEmpty) continue;  // uniform over the block, before any load or barrier
     load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
     load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
     __syncthreads();
     block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
     block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
     __syncthreads();
-    probabilities_and_grads<T, BM, BN>(params, p, b, h, m0, n0, s_s, dp_s, LDS, lse_s, delta_s,
+    probabilities_and_grads<T, BM, BN>(params, p, b, h, m0, n0, state, s_s, dp_s, LDS, lse_s, delta_s,
                                        static_cast<T*>(nullptr), ds_s, LDP, static_cast<T*>(nullptr));
     __syncthreads();
     block_gemm<T, BM, HEAD, BN, false, false, true>(ds_s, LDP, k_s, LD, dq_s, LDA);  // += dS K

@@ -11,7 +11,8 @@ from ..scores import PLAIN, ScoreVariant
 
 # How a refusal names each score variant (fused_attn.scores.FEATURES).
 SCORE_FEATURE_NAMES = {"bottom_right": "bottom-right causal alignment", "window": "a sliding window",
-                       "softcap": "softcap", "alibi": "ALiBi slopes", "sinks": "attention sinks"}
+                       "softcap": "softcap", "alibi": "ALiBi slopes", "sinks": "attention sinks",
+                       "mask_program": "a mask program"}
 
 
 class Backend:

@@ -21,17 +21,20 @@ at::Tensor forward(const at::Tensor& query, const at::Tensor& key, const at::Ten
                    const at::Tensor& out, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
                    int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
                    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                   const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits,
                    const std::optional<at::Tensor>& sinks) {
   for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"},
                                 {key, "key"}, {value, "value"}, {attn_mask, "attn_mask"},
                                 {key_padding_mask, "key_padding_mask"}, {out, "out"},
-                                {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}, {sinks, "sinks"}})
+                                {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"},
+                                {block_tiles, "block_tiles"}, {block_bits, "block_bits"}, {sinks, "sinks"}})
     check_cpu(t, name);
   // The emulated threads never touch Python: let other Python threads run meanwhile.
   pybind11::gil_scoped_release release;
   return fused_attn_cuda::flash_forward(
       query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout_p, dropout_rng,
-      {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks}, EmulatedLaunch{});
+      {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles, block_bits, sinks},
+      EmulatedLaunch{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
@@ -41,17 +44,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, double dropout_p,
     const std::optional<at::Tensor>& dropout_rng, const std::optional<at::Tensor>& grad_mask,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+    const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits) {
   for (const auto& [t, name] :
        {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
         {attn_mask, "attn_mask"}, {key_padding_mask, "key_padding_mask"}, {out, "out"},
         {lse, "lse"}, {grad_out, "grad_out"}, {grad_lse, "grad_lse"}, {dropout_rng, "dropout_rng"},
-        {grad_mask, "grad_mask"}, {alibi_slopes, "alibi_slopes"}})
+        {grad_mask, "grad_mask"}, {alibi_slopes, "alibi_slopes"}, {block_tiles, "block_tiles"},
+        {block_bits, "block_bits"}})
     check_cpu(t, name);
   pybind11::gil_scoped_release release;
   return fused_attn_cuda::flash_backward(query, key, value, attn_mask, key_padding_mask, is_causal,
-                                         scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng,
-                                         grad_mask, {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
+                                         scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, grad_mask,
+                                         {window_left, window_right, bottom_right, softcap, alibi_slopes,
+                                          diagonal_shift, block_tiles, block_bits},
                                          EmulatedLaunch{});
 }
 
@@ -61,16 +67,18 @@ void forward_varlen(const at::Tensor& query, const at::Tensor& key, const at::Te
                     double dropout_p, const std::optional<at::Tensor>& dropout_rng, int64_t window_left,
                     int64_t window_right, bool bottom_right, double softcap,
                     const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+                    const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits,
                     const std::optional<at::Tensor>& sinks) {
   for (const auto& [t, name] : {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
                                 {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}, {out, "out"},
                                 {lse, "lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"},
-                                {sinks, "sinks"}})
+                                {block_tiles, "block_tiles"}, {block_bits, "block_bits"}, {sinks, "sinks"}})
     check_cpu(t, name);
   pybind11::gil_scoped_release release;
   fused_attn_cuda::flash_forward_varlen(
       query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse,
-      dropout_p, dropout_rng, {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, sinks},
+      dropout_p, dropout_rng,
+      {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles, block_bits, sinks},
       EmulatedLaunch{});
 }
 
@@ -80,17 +88,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_varlen(
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out,
     const std::optional<at::Tensor>& grad_lse, double dropout_p, const std::optional<at::Tensor>& dropout_rng,
     int64_t window_left, int64_t window_right, bool bottom_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
+    const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits) {
   for (const auto& [t, name] :
        {std::pair{std::optional<at::Tensor>(query), "query"}, {key, "key"}, {value, "value"},
         {cu_seqlens_q, "cu_seqlens_q"}, {cu_seqlens_k, "cu_seqlens_k"}, {out, "out"}, {lse, "lse"},
-        {grad_out, "grad_out"}, {grad_lse, "grad_lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"}})
+        {grad_out, "grad_out"}, {grad_lse, "grad_lse"}, {dropout_rng, "dropout_rng"}, {alibi_slopes, "alibi_slopes"},
+        {block_tiles, "block_tiles"}, {block_bits, "block_bits"}})
     check_cpu(t, name);
   pybind11::gil_scoped_release release;
   return fused_attn_cuda::flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                 max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse,
                                                 dropout_p, dropout_rng,
-                                                {window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift},
+                                                {window_left, window_right, bottom_right, softcap, alibi_slopes,
+                                                 diagonal_shift, block_tiles, block_bits},
                                                 EmulatedLaunch{});
 }
 
@@ -213,34 +224,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fused_attn cuda kernels run on CPU tensors through a host emulation (tests only)";
   m.def("forward", &forward, "flash_forward(query, key, value, attn_mask, key_padding_mask, "
         "is_causal, scale, out, dropout_p, dropout_rng, window_left, window_right, bottom_right, softcap, "
-        "alibi_slopes, diagonal_shift, sinks) -> lse", pybind11::arg("query"),
+        "alibi_slopes, diagonal_shift, block_tiles, block_bits, sinks) -> lse", pybind11::arg("query"),
         pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("attn_mask"),
         pybind11::arg("key_padding_mask"), pybind11::arg("is_causal"), pybind11::arg("scale"),
         pybind11::arg("out"), pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none(),
         pybind11::arg("window_left") = -1, pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false,
         pybind11::arg("softcap") = 0.0, pybind11::arg("alibi_slopes") = pybind11::none(),
-        pybind11::arg("diagonal_shift") = 0, pybind11::arg("sinks") = pybind11::none());
+        pybind11::arg("diagonal_shift") = 0, pybind11::arg("block_tiles") = pybind11::none(),
+        pybind11::arg("block_bits") = pybind11::none(), pybind11::arg("sinks") = pybind11::none());
   m.def("backward", &backward, "flash_backward(query, key, value, attn_mask, key_padding_mask, "
-        "is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, grad_mask) -> (dq, dk, dv)",
+        "is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, grad_mask, window_left, "
+        "window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles, block_bits) -> (dq, dk, dv)",
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("attn_mask"),
         pybind11::arg("key_padding_mask"), pybind11::arg("is_causal"), pybind11::arg("scale"),
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("grad_out"), pybind11::arg("grad_lse"),
         pybind11::arg("dropout_p") = 0.0, pybind11::arg("dropout_rng") = pybind11::none(),
         pybind11::arg("grad_mask") = pybind11::none(), pybind11::arg("window_left") = -1,
         pybind11::arg("window_right") = -1, pybind11::arg("bottom_right") = false, pybind11::arg("softcap") = 0.0,
-        pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("diagonal_shift") = 0);
+        pybind11::arg("alibi_slopes") = pybind11::none(), pybind11::arg("diagonal_shift") = 0,
+        pybind11::arg("block_tiles") = pybind11::none(), pybind11::arg("block_bits") = pybind11::none());
   m.def("forward_varlen", &forward_varlen, "flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
         "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, dropout_p, dropout_rng, window_left, window_right, "
-        "bottom_right, softcap, alibi_slopes, diagonal_shift, sinks=None): writes out and lse",
+        "bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles=None, block_bits=None, sinks=None): writes "
+        "out and lse",
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("cu_seqlens_q"),
         pybind11::arg("cu_seqlens_k"), pybind11::arg("max_seqlen_q"), pybind11::arg("max_seqlen_k"),
         pybind11::arg("is_causal"), pybind11::arg("scale"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("dropout_p"), pybind11::arg("dropout_rng"), pybind11::arg("window_left"),
         pybind11::arg("window_right"), pybind11::arg("bottom_right"), pybind11::arg("softcap"),
-        pybind11::arg("alibi_slopes"), pybind11::arg("diagonal_shift"), pybind11::arg("sinks") = pybind11::none());
+        pybind11::arg("alibi_slopes"), pybind11::arg("diagonal_shift"),
+        pybind11::arg("block_tiles") = pybind11::none(), pybind11::arg("block_bits") = pybind11::none(),
+        pybind11::arg("sinks") = pybind11::none());
   m.def("backward_varlen", &backward_varlen, "flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, "
         "max_seqlen_q, max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse, dropout_p, dropout_rng, "
-        "window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift) -> (dq, dk, dv)");
+        "window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles, block_bits) "
+        "-> (dq, dk, dv)");
   m.def("decode_splits", &decode_splits, "decode_splits(query, key, value, dropout_p, dropout_rng) -> the "
         "split count of the decode kernels, 0 if the forward runs the long-query kernel", pybind11::arg("query"),
         pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("dropout_p") = 0.0,

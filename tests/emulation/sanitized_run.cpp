@@ -120,6 +120,29 @@ struct Problem {
     attn.keep_scale = training ? 1.0f / 0.75f : 1.0f;
   }
 
+  // A mask program (csrc/block_mask.h) over the problem, contiguous: each tile EMPTY, FULL or partial (random
+  // bits) at random, so that the kernels skip blocks, read them whole and test bits, per head.
+  std::vector<int32_t> program_tiles;
+  std::vector<uint32_t> program_bits;
+
+  void set_program() {
+    std::mt19937 rng(99);
+    const int q_tiles = static_cast<int>((attn.len_q + fused_attn::kTile - 1) / fused_attn::kTile);
+    const int k_tiles = static_cast<int>((attn.len_k + fused_attn::kTile - 1) / fused_attn::kTile);
+    int32_t partial = 0;
+    for (int t = 0; t < attn.batch * attn.heads_q * q_tiles * k_tiles; ++t) {
+      const unsigned kind = rng() % 3;
+      program_tiles.push_back(kind == 0 ? fused_attn::kTileEmpty : kind == 1 ? fused_attn::kTileFull : partial++);
+    }
+    program_bits.resize(static_cast<std::size_t>(partial) * fused_attn::kTile * fused_attn::kWords);
+    for (auto& word : program_bits) word = rng();
+    attn.program.tiles = program_tiles.data();
+    attn.program.bits = program_bits.data();
+    const int64_t strides[4] = {static_cast<int64_t>(attn.heads_q) * q_tiles * k_tiles,
+                                static_cast<int64_t>(q_tiles) * k_tiles, k_tiles, 1};
+    std::copy(strides, strides + 4, attn.program.s);
+  }
+
   std::size_t q_rows() const { return static_cast<std::size_t>(attn.batch) * attn.heads_q * attn.len_q; }
   std::size_t k_rows() const { return static_cast<std::size_t>(attn.batch) * attn.heads_kv * attn.len_k; }
 };
@@ -157,12 +180,13 @@ int longest(const std::vector<int>& cu_seqlens) {
 
 // Forward and backward of one problem (Problem). With `packing`, the problem's one batch row holds
 // the packed tokens of its sequences: (1, H, total, D) tensors read as (B, H, total, D) views of
-// batch stride 0, no masks (as flash_dispatch.h's packed_params sets them up). Returns the number
-// of outputs with NaN or infinite elements (lse: NaN).
+// batch stride 0, no masks (as flash_dispatch.h's packed_params sets them up); with `program`, a mask
+// program (Problem::set_program). Returns the number of outputs with NaN or infinite elements (lse: NaN).
 template <typename T, int HEAD>
 int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim_qk,
-        int dim_v, bool training = false, const Packing* packing = nullptr) {
+        int dim_v, bool training = false, const Packing* packing = nullptr, bool program = false) {
   Problem<T> problem(batch, heads_q, heads_kv, len_q, len_k, dim_qk, dim_v, training);
+  if (program) problem.set_program();
   const std::size_t q_size = problem.q_rows(), k_size = problem.k_rows();
   auto out = nan_values<T>(q_size * dim_v), grad_q = nan_values<T>(q_size * dim_qk);
   auto grad_k = nan_values<T>(k_size * dim_qk), grad_v = nan_values<T>(k_size * dim_v);
@@ -238,12 +262,13 @@ int run(const char* name, int batch, int heads_q, int heads_kv, int len_q, int l
 
 // The split-KV decode and combine kernels on a problem of few query rows (Problem without dropout),
 // the keys in `splits` splits of whole key blocks, as flash_decode (flash_dispatch.h) launches them;
-// with `sinks`, Problem's sinks folded in by the combine kernel.
+// with `sinks`, Problem's sinks folded in by the combine kernel; with `program`, a mask program.
 template <typename T, int HEAD, int BM>
 int run_decode(const char* name, int batch, int heads_q, int heads_kv, int len_q, int len_k, int dim, int splits,
-               bool sinks = false) {
+               bool sinks = false, bool program = false) {
   Problem<T> problem(batch, heads_q, heads_kv, len_q, len_k, dim, dim, false);
   problem.attn.sinks = sinks ? problem.sinks.data() : nullptr;
+  if (program) problem.set_program();
   problem.attn.bottom_right = true;  // causal bottom-right: the queries see most keys
   problem.attn.diagonal = len_k - len_q;
   const AttentionParams& attn = problem.attn;
@@ -298,5 +323,9 @@ int main() {
   // splits; sinks in the second.
   failures += run_decode<__nv_bfloat16, 64, 16>("bfloat16, head 64, decode", 2, 2, 1, 3, 150, 40, 3);
   failures += run_decode<float, 32, 64>("float32, head 32, decode, sinks", 1, 4, 1, 5, 90, 32, 3, true);
+  // Mask programs over 2 x 3 and 1 x 3 tiles (of 128), with dropout, the mask gradient and the score
+  // variants; in the decode kernels, per head of a GQA group of 4.
+  failures += run<__nv_bfloat16, 32>("bfloat16, head 32, mask program", 1, 2, 1, 150, 260, 32, 16, true, nullptr, true);
+  failures += run_decode<__half, 32, 16>("float16, head 32, decode, mask program", 1, 4, 1, 3, 300, 32, 2, true, true);
   return failures == 0 ? 0 : 1;
 }
