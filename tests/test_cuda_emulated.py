@@ -910,26 +910,27 @@ def test_emulated_varlen_glue_refuses_programs(emulated):
                                  0, tiles, bits)
 
 
-def test_backend_takes_mask_programs_but_not_with_packed_batches():
+def test_backend_runs_a_packed_batch_with_a_program_one_sequence_at_a_time(monkeypatch):
+    """The varlen kernels do not take programs (the glue refuses them, above): the backend runs such a batch
+    through the per-sequence path, each sequence with its row of the program."""
+    from fused_attn.backends import packed
     from fused_attn.problem import Problem
 
     backend = registry.get("cuda")
-    assert "mask_program" in backend.takes_score_variants
     q = torch.empty(1, 2, 8, 16, dtype=torch.float16)
-    dense = Problem.of(q, q, q, None, None, False, 0.0)
-    program = dense._replace(score_features=("mask_program",))
+    program = Problem.of(q, q, q, None, None, False, 0.0)._replace(score_features=("mask_program",), varlen=True)
     assert not any("mask program" in reason for reason in backend.refusals(program))
-    reasons = backend.refusals(program._replace(varlen=True))
-    assert any("a mask program with a packed batch (attention_varlen)" in reason for reason in reasons)
     tiles, bits = program_tensors()
     variant = dataclasses.replace(PLAIN, block_tiles=tiles, block_bits=bits)
-    packed = torch.zeros(8, 2, 16)
+    calls = []
+    monkeypatch.setattr(packed, "forward", lambda *args: calls.append(("forward", args[-1])))
+    monkeypatch.setattr(packed, "backward", lambda *args: calls.append(("backward", args[-1])))
+    tensor = torch.zeros(8, 2, 16)
     bounds = torch.tensor([0, 8], dtype=torch.int32)
-    args = (packed, packed, packed, bounds, bounds, 8, 8, False, 0.25)
-    with pytest.raises(ValueError, match="cuda: block_tiles: a mask program with a packed batch"):
-        backend.forward_varlen(*args, torch.empty_like(packed), torch.empty(2, 8), None, variant)
-    with pytest.raises(ValueError, match="cuda: block_tiles: a mask program with a packed batch"):
-        backend.backward_varlen(*args, packed, torch.zeros(2, 8), packed, None, None, variant)
+    args = (tensor, tensor, tensor, bounds, bounds, 8, 8, False, 0.25)
+    backend.forward_varlen(*args, torch.empty_like(tensor), torch.empty(2, 8), None, variant)
+    backend.backward_varlen(*args, tensor, torch.zeros(2, 8), tensor, None, None, variant)
+    assert [(name, given is variant) for name, given in calls] == [("forward", True), ("backward", True)]
 
 
 @pytest.mark.cuda

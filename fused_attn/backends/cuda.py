@@ -30,9 +30,10 @@ from the lengths).
 
 Mask programs (fused_attn.masks) run in the forward, decode and both backward kernels: each kernel block
 lies inside one 128 × 128 tile of the program, so its state decides the block once (EMPTY: skipped before
-any load; FULL: nothing read per score; PARTIAL: one bit per score). Packed batches do not take one yet
-(the program's tiles would have to follow each sequence's own lengths); a paged cache is gathered for the
-ordinary forward (Backend.forward_paged), which takes it.
+any load; FULL: nothing read per score; PARTIAL: one bit per score). A packed batch with a program runs one
+sequence at a time (fused_attn.backends.packed: its bounds read on the host), each with its row of the
+program, since the varlen kernels' tiles do not follow each sequence's own positions; a paged cache is
+gathered for the ordinary forward (Backend.forward_paged), which takes it.
 """
 
 from __future__ import annotations
@@ -41,11 +42,10 @@ import torch
 
 from ..problem import Problem
 from ..scores import FEATURES, PLAIN
+from . import packed
 from .extension import ExtensionBackend, dropout_args
 
 MAX_GRID_DIM = 65535  # heads and batch index the y and z dimensions of the grid
-VARLEN_PROGRAM = ("a mask program with a packed batch (attention_varlen) is not supported yet: the kernels' tiles "
-                  "do not follow each sequence's own lengths")
 
 
 def has_cuda_kernels() -> bool:
@@ -60,7 +60,7 @@ class CudaBackend(ExtensionBackend):
     max_head_dim = 256
     takes_dropout = True
     takes_mask_gradient = True
-    takes_score_variants = frozenset(FEATURES)  # mask_program: not with a packed batch (refusals)
+    takes_score_variants = frozenset(FEATURES)
     takes_varlen = True  # the kernels read each sequence's bounds: one launch, no host synchronisation
 
     def unavailable(self) -> str | None:
@@ -86,26 +86,24 @@ class CudaBackend(ExtensionBackend):
         if problem.batch > MAX_GRID_DIM or problem.heads_q > MAX_GRID_DIM:
             reasons.append(f"batch and query heads up to {MAX_GRID_DIM}, got {problem.batch} and "
                            f"{problem.heads_q}")
-        if problem.varlen and "mask_program" in problem.score_features:
-            reasons.append(VARLEN_PROGRAM)
         return reasons
-
-    def check_varlen_variant(self, variant, is_causal):
-        """check_variant, and no mask program (refused with a packed batch, as `refusals` says)."""
-        self.check_variant(variant, is_causal)
-        if variant.block_tiles is not None:
-            raise ValueError(f"{self.name}: block_tiles: {VARLEN_PROGRAM}")
 
     def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                        scale, out, lse, dropout=None, variant=PLAIN):
-        self.check_varlen_variant(variant, is_causal)
+        self.check_variant(variant, is_causal)
+        if variant.block_tiles is not None:  # one sequence at a time, each with its row of the program
+            return packed.forward(self, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse,
+                                  dropout, variant)
         torch.ops.fused_attn.flash_forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                   max_seqlen_k, is_causal, scale, out, lse, *dropout_args(dropout),
                                                   *variant.op_args())
 
     def backward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                         scale, out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
-        self.check_varlen_variant(variant, is_causal)
+        self.check_variant(variant, is_causal)
+        if variant.block_tiles is not None:
+            return packed.backward(self, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse,
+                                   grad_out, grad_lse, dropout, variant)
         return torch.ops.fused_attn.flash_backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, is_causal, scale, out, lse, grad_out, grad_lse,
                                                           *dropout_args(dropout), *variant.score_args())
