@@ -3,7 +3,8 @@
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
 bf16; head dims 64 and 128; causal and not, causal with dropout, causal with every score variant of
 fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi, attention sinks) with key
-padding, the same with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), and
+padding, the same with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), the
+same with a mask program (fused_attn.masks) without and with dropout (forward, dK/dV, dQ), and
 for dK/dV causal with dropout and the gradient of a learned additive bias, alone and with the score variants;
 the split-KV decode kernels plain, with the score variants and over a paged cache, their combine plain and
 with sinks) for sm_80 and sm_90 with Triton's
@@ -57,26 +58,32 @@ FIXED_CONFIG = "BLOCK_M={block_m},{block_n}warps={warps},stages={stages}"
 # none but the packing. bias_grad (an additive mask whose gradient dK/dV writes) changes the dK/dV kernel
 # only; scores True is every score variant at once (window, bottom-right alignment, softcap, ALiBi, sinks)
 # and key padding, "packed" every score variant over a packed batch of sequences (fused_attn.varlen), "paged"
-# every score variant and key padding over a paged key/value cache (fused_attn.kvcache, the forward only).
+# every score variant and key padding over a paged key/value cache (fused_attn.kvcache, the forward only),
+# "program" every score variant and key padding with a mask program (fused_attn.masks; HAS_PROGRAM).
 # Sinks change the forward kernels' epilogue and the decode combine only (HAS_SINKS); the backward kernels
 # and the split-KV decode kernel take none (they compile as without them).
 PACKED = "packed"
 PAGED = "paged"
+PROGRAM = "program"
 PAGE_SIZE = 16  # vLLM's block size: keys of one tile come from several blocks
 VARIANTS = ((False, False, False, False), (True, False, False, False), (True, True, False, False),
             (True, False, False, True), (True, True, False, PACKED))
+# The kernels that read a mask program (forward, dK/dV, dQ), causal with it, without and with dropout.
+PROGRAM_VARIANTS = ((True, False, False, PROGRAM), (True, True, False, PROGRAM))
 
 
 def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     if kernel == "bwd_dkdv":
-        return (*VARIANTS, (True, True, True, False), (True, True, True, True))
+        return (*VARIANTS, (True, True, True, False), (True, True, True, True), *PROGRAM_VARIANTS)
     if kernel == "decode":  # no dropout (calls with dropout take the long-query kernels), no packing
         return ((False, False, False, False), (True, False, False, True), (True, False, False, PAGED))
     if kernel == "decode_combine":  # the score variants: the sinks, the only one the combine reads
         return ((False, False, False, False), (False, False, False, True))
     if kernel == "fwd":
-        return (*VARIANTS, (True, False, False, PAGED))
-    return VARIANTS if kernel in MATMUL_KERNELS else ((False, False, False, False), (False, False, False, PACKED))
+        return (*VARIANTS, (True, False, False, PAGED), *PROGRAM_VARIANTS)
+    if kernel == "bwd_dq":
+        return (*VARIANTS, *PROGRAM_VARIANTS)
+    return ((False, False, False, False), (False, False, False, PACKED))
 
 
 def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
@@ -142,7 +149,10 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     """(kernel fn, args, constexprs, fixed config or None, dtype) for one report row: the preprocess
     and the decode kernels come with their fixed (text, options); the other kernels take their default
     one in `_compile_row`."""
+    import dataclasses
+
     import torch
+    from fused_attn import masks
     from fused_attn.backends import triton_decode
     from fused_attn.backends import triton_kernels as tk
     from fused_attn.dropout import Dropout
@@ -179,7 +189,13 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     # with them, key padding and its per-row span of keys.
     variant = (ScoreVariant(bottom_right=True, window_left=128, window_right=0, softcap=30.0,
                             alibi_slopes=torch.empty(batch, heads), sinks=torch.empty(heads)) if scores else PLAIN)
-    padding = torch.zeros(batch, length, dtype=torch.bool) if scores in (True, PAGED) else None
+    if scores == PROGRAM:  # tile states shared by the batch and heads (stride 0), as masks.documents' ids (L,) give
+        tiles = -(-length // masks.TILE)
+        variant = dataclasses.replace(variant,
+                                      block_tiles=torch.empty(1, 1, tiles, tiles, dtype=torch.int32).expand(
+                                          batch, heads, -1, -1),
+                                      block_bits=torch.empty(tiles, masks.TILE, masks.WORDS, dtype=torch.int32))
+    padding = torch.zeros(batch, length, dtype=torch.bool) if scores in (True, PAGED, PROGRAM) else None
     pages = None
     if scores == PAGED:  # the cache's blocks in a table, as (num_blocks, H, block_size, D) views
         blocks = batch * length // PAGE_SIZE

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn import testing
+from fused_attn import masks, testing
 from fused_attn.backends import registry
 from fused_attn.backends.reference import ReferenceBackend
 from fused_attn.problem import lse_dtype
@@ -650,6 +650,195 @@ def test_public_attention_sinks_require_grad(name, dtype, generator):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Mask programs (fused_attn.masks): one tile state per block decides it (empty: skipped, full: nothing
+# read per score, partial: its bits)
+# ---------------------------------------------------------------------------------------------------
+
+# Blocks of 32 and 64, different along queries and keys: several blocks per tile of the program, the keys
+# of a block one or two words of a row's bits. The fp16 and bf16 defaults have blocks of the tile's 128 rows
+# or keys (the forward and dQ: query rows; dK/dV: keys).
+PROGRAM_TILES = dict(fwd=tk.KernelConfig(32, 64, 4, 1), bwd_dkdv=tk.KernelConfig(64, 32, 4, 1),
+                     bwd_dq=tk.KernelConfig(32, 64, 4, 1))
+# Keys in blocks of 16, as fp32's default dQ tiles have them: a block reads half a word of each row's bits.
+HALF_WORD_TILES = dict(fwd=tk.KernelConfig(64, 16, 4, 1), bwd_dkdv=tk.KernelConfig(32, 16, 4, 1),
+                       bwd_dq=tk.KernelConfig(64, 16, 4, 1))
+# testing.PROGRAM_CASES: fp32 at PROGRAM_TILES, fp16 and bf16 at the default configs (bf16 at PROGRAM_TILES
+# doubles the interpreter's time of the case with dropout).
+PROGRAM_RUNS = [pytest.param(dtype, rotation, PROGRAM_TILES if dtype == torch.float32 else {},
+                             id=f"{dtype_id}-{rotation}")
+                for dtype, dtype_id, rotation in zip(DTYPES, DTYPE_IDS, (1, 3, 0))]
+# The tests of chosen programs: fp32 at HALF_WORD_TILES, fp16 at the default configs.
+PROGRAM_CHECKS = [pytest.param(torch.float32, 0, HALF_WORD_TILES, id="fp32-0-keys16"),
+                  pytest.param(torch.float16, 1, {}, id="fp16-1-default")]
+
+
+def program_inputs(case: Case, mask_mod, dtype, rotation: int, generator) -> testing.Inputs:
+    """`make_inputs` of the case with the program of `mask_mod`, shared by the batch rows and heads."""
+    inputs = make_inputs(case, dtype, rotation, generator)
+    return dataclasses.replace(inputs, program=masks.mask_program(mask_mod, None, None, case.len_q,
+                                                                  case.len_k).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype,rotation,tiles", PROGRAM_RUNS)
+@pytest.mark.parametrize("name", list(testing.PROGRAM_CASES))
+def test_mask_programs_match_reference(name, dtype, rotation, tiles, generator):
+    """Every kind of program (documents, prefix LM, chunks, functions of the head) with the other features:
+    GQA, dropout, key padding, softcap, ALiBi, windows, both alignments and an integer offset, sinks, rows
+    that see no key; the case with three queries runs the long-query kernels (the decode kernels take no
+    program)."""
+    inputs = make_inputs(testing.PROGRAM_CASES[name], dtype, rotation, generator)
+    with tk.forced_configs(**tiles):
+        results = run_backend(inputs)
+    testing.check_inputs(results, inputs)
+
+
+def _seen_but_in_tile_1(b, h, q_idx, kv_idx):
+    """No query of query tile 1 (rows 128 .. 255) sees a key; tile (2, 0) is full, the others partial."""
+    pattern = ((q_idx + kv_idx) % 7 != 0) | ((q_idx >= 2 * masks.TILE) & (kv_idx < masks.TILE))
+    return (q_idx // masks.TILE != 1) & pattern
+
+
+@pytest.mark.parametrize("dtype,rotation,tiles", PROGRAM_CHECKS)
+def test_program_query_tile_whose_tiles_are_all_empty(dtype, rotation, tiles, generator):
+    """Its rows see no key: output 0, log-sum-exp -inf and dQ 0 (the forward and dQ loops visit no block), and
+    dK, dV take nothing from them; the other rows as the reference."""
+    case = Case(batch=2, heads_q=2, heads_kv=1, len_q=300, len_k=200, lse_grad=True)
+    inputs = program_inputs(case, masks.mask_function(_seen_but_in_tile_1), dtype, rotation, generator)
+    states = inputs.program.tiles[0, 0]
+    assert (states[1] == masks.EMPTY).all() and states[2, 0] == masks.FULL and (states[0] >= 0).all()
+    with tk.forced_configs(**tiles):
+        results = run_backend(inputs)
+    testing.check_inputs(results, inputs)
+    rows = slice(masks.TILE, 2 * masks.TILE)
+    assert (results.out[:, :, rows] == 0).all()
+    assert (results.lse[:, :, rows] == float("-inf")).all()
+    assert (results.grad_query[:, :, rows] == 0).all()
+
+
+def test_full_program_is_no_program(generator):
+    """A program of full tiles only changes nothing, bit for bit, with every other feature at work."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, len_q=150, len_k=270, is_causal=True,
+                causal_alignment="bottom_right", window=(120, 0), softcap=3.0, alibi="heads", key_padding=True,
+                dropout_p=0.2, lse_grad=True, sinks=True)
+    inputs = program_inputs(case, masks.sliding_window(), torch.float32, 0, generator)
+    assert inputs.program.counts() == {"empty": 0, "full": 2 * 3, "partial": 0}
+    with tk.forced_configs(**PROGRAM_TILES):
+        with_program = run_backend(inputs, "contiguous")
+        without = run_backend(dataclasses.replace(inputs, program=None), "contiguous")
+    testing.check_inputs(with_program, inputs)
+    for name, value in with_program.named().items():
+        assert torch.equal(value, getattr(without, name)), name
+
+
+def _seen_but_in_tiles_1(b, h, q_idx, kv_idx):
+    """Query tile 1 sees no key and key tile 1 is seen by no query; tiles (2, 0) and (2, 2) are full."""
+    pattern = ((3 * q_idx + kv_idx) % 5 != 0) | (q_idx >= 2 * masks.TILE)
+    return (q_idx // masks.TILE != 1) & (kv_idx // masks.TILE != 1) & pattern
+
+
+@pytest.mark.parametrize("dtype,rotation,tiles", PROGRAM_CHECKS)
+def test_program_empty_tiles_are_never_read(dtype, rotation, tiles, generator):
+    """Keys and values NaN in a key tile no query sees, queries and dO NaN in a query tile that sees no key:
+    the results of clean ones. A block of an empty tile that were visited, even with every score hidden, would
+    turn them into NaN (0 * NaN in P V, dS K, P^T dO and dP = dO V^T) in the forward, dQ and dK/dV alike."""
+    case = Case(batch=1, heads_q=2, heads_kv=1, len_q=300, len_k=330, lse_grad=True)
+    inputs = program_inputs(case, masks.mask_function(_seen_but_in_tiles_1), dtype, rotation, generator)
+    states = inputs.program.tiles[0, 0]
+    assert (states[1] == masks.EMPTY).all() and (states[:, 1] == masks.EMPTY).all()
+    expected = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, dtype)
+    tile_1 = slice(masks.TILE, 2 * masks.TILE)
+    with torch.no_grad():
+        for tensor in (inputs.query, inputs.grad_out, inputs.key, inputs.value):
+            tensor[:, :, tile_1] = float("nan")
+    with tk.forced_configs(**tiles):
+        results = run_backend(inputs)
+    testing.assert_close_to_reference(results, *expected, dtype)
+    assert (results.grad_key[:, :, tile_1] == 0).all() and (results.grad_value[:, :, tile_1] == 0).all()
+
+
+def test_public_attention_takes_a_program(generator):
+    """fused_attn.attention(..., attn_mask=program, backend="triton"): the registered ops and their autograd."""
+    inputs = make_inputs(testing.PROGRAM_CASES["program_prefix_lm_padding_softcap"], torch.float32, 2, generator)
+    with tk.forced_configs(**PROGRAM_TILES):
+        results = testing.run_attention(inputs, "triton")
+    testing.check_inputs(results, inputs)
+
+
+def _causal_program(query, key) -> ScoreVariant:
+    """The variant of a call on (query, key) with a causal mask program, as `attention` makes it."""
+    program = masks.mask_program(masks.causal(), None, None, query.shape[2], key.shape[2]).to(query.device)
+    return masks.with_program(program, ScoreVariant(), False, query, key)[1]
+
+
+def test_programs_skip_the_decode_kernels_and_are_refused_by_paged_caches():
+    """The decode kernels decline a call with a program (the long-query kernels take it, at every L_q); a paged
+    cache takes none (attention_with_kvcache passes none)."""
+    from fused_attn.backends import triton_decode
+
+    q, k, v = _small()
+    variant = _causal_program(q, k)
+    assert triton_decode.takes(q, k, v, None)
+    assert not triton_decode.takes(q, k, v, None, variant=variant)
+    with pytest.raises(ValueError, match="forward_paged takes no mask program"):
+        BACKEND.forward_paged(q, k[0].transpose(0, 1), v[0].transpose(0, 1), torch.zeros(1, 1, dtype=torch.int32),
+                              None, None, False, 1.0, q, variant)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_program_with_a_packed_batch_runs_one_sequence_at_a_time(dtype, generator, monkeypatch):
+    """attention_varlen with a program (row b: causal documents of sequence b) runs each sequence through the
+    long-query kernels with its row of the program (the varlen launch takes none): against the reference
+    backend in float64 and in the dtype, forward and backward; a sequence without tokens among them."""
+    from fused_attn.backends import packed
+
+    lengths, heads_q, heads_kv, dim = (150, 0, 40), 4, 2, 16
+    query, key, value, grad_out, cu_q, cu_k = _packed_sequences(generator, dtype, lengths, lengths, heads_q,
+                                                                heads_kv, dim)
+    ids = torch.randint(0, 4, (len(lengths), max(lengths)), generator=generator).sort(dim=1).values
+    program = masks.mask_program(masks.documents(ids) & masks.causal(), len(lengths), None, max(lengths))
+    per_sequence = []
+
+    def recorded(name):
+        run = getattr(packed, name)
+
+        def call(*args):
+            per_sequence.append(name)
+            return run(*args)
+        return call
+
+    for name in ("forward", "backward"):
+        monkeypatch.setattr(packed, name, recorded(name))
+
+    def varlen(backend, dtype_run, device):
+        q, k, v = (t.detach().to(device, dtype_run).requires_grad_() for t in (query, key, value))
+        out, lse = fused_attn.attention_varlen(q, k, v, cu_q.to(device), cu_k.to(device), attn_mask=program.to(device),
+                                               return_lse=True, backend=backend)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out.to(device, dtype_run))
+        return testing.Results(out.detach(), lse.detach(), *grads)
+
+    with tk.forced_configs(**PROGRAM_TILES):
+        actual = varlen("triton", dtype, DEVICE)
+    assert per_sequence == ["forward", "backward"]  # (the reference's runs below come after)
+    testing.assert_close_to_reference(actual, varlen("reference", torch.float64, "cpu"),
+                                      varlen("reference", dtype, "cpu"), dtype)
+
+
+def test_program_arguments_are_checked():
+    q, k, _ = _small()
+    lse = torch.empty(q.shape[:3], device=DEVICE)
+    variant = _causal_program(q, k)
+    tiles, bits = variant.block_tiles, variant.block_bits
+    assert tk.program_args(variant, 1, 2, 5, 5, lse)[3] == dict(HAS_PROGRAM=True)
+    for wrong in (tiles.long(), tiles[:, :1]):
+        with pytest.raises(ValueError, match="block_tiles: expected an int32 tensor of shape"):
+            tk.program_args(dataclasses.replace(variant, block_tiles=wrong), 1, 2, 5, 5, lse)
+    for wrong in (None, torch.zeros(1, 128, 8, dtype=torch.int32, device=DEVICE)[:, :, ::2]):
+        with pytest.raises(ValueError, match="block_bits: expected a contiguous int32 tensor"):
+            tk.program_args(dataclasses.replace(variant, block_bits=wrong), 1, 2, 5, 5, lse)
+    assert tk.program_args(ScoreVariant(), 1, 2, 5, 5, lse) == (lse, lse, (0, 0, 0, 0), dict(HAS_PROGRAM=False))
+
+
+# ---------------------------------------------------------------------------------------------------
 # Choice and refusals
 # ---------------------------------------------------------------------------------------------------
 
@@ -826,6 +1015,27 @@ def test_autotune_candidates_pruned_to_device_shared_memory(kernel, capability, 
     for config in chosen[1:]:
         assert tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2) <= shared
     assert len(set(chosen)) == len(chosen)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
+def test_blocks_of_a_launch_with_a_program_fit_its_tiles(kernel, monkeypatch):
+    """Autotuning keeps only the candidates whose blocks lie inside one tile of a program."""
+    monkeypatch.setattr(tk, "_device_limits", lambda index: ((9, 0), 227 * 1024))
+    tuner = tk._autotuned(kernel)
+    constexprs = dict(BLOCK_DQK=64, BLOCK_DV=64, D_QK=64, D_V=64)
+
+    def largest_block(**program):
+        pruned = tuner.early_config_prune(tuner.configs, {"Q": _FakeCudaTensor()}, **constexprs, **program)
+        return max(max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in pruned)
+
+    assert largest_block() > masks.TILE  # so the pruning below is what keeps them out
+    assert largest_block(HAS_PROGRAM=True) <= masks.TILE
+
+
+def test_forced_config_beyond_a_program_tile_is_refused():
+    q, k, v = _small()
+    with tk.forced_configs(fwd=tk.KernelConfig(256, 32, 4, 1)), pytest.raises(ValueError, match="larger than a mask"):
+        BACKEND.forward(q, k, v, None, None, False, 1.0, torch.empty_like(q), None, _causal_program(q, k))
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])

@@ -1,12 +1,15 @@
 """The `triton` backend: FlashAttention-2 kernels written in Triton (see `triton_kernels`).
 
-Chosen automatically for CUDA tensors. Forward calls with few query rows (L_q <= 16) run the
-split-KV decode kernels of `triton_decode` (FUSED_ATTN_TRITON_DECODE=0 turns them off); packed batches
+Chosen automatically for CUDA tensors. Forward calls with few query rows (L_q <= 16) run the split-KV
+decode kernels of `triton_decode` (FUSED_ATTN_TRITON_DECODE=0 turns them off); packed batches
 (`attention_varlen`) run in one launch per kernel; paged key/value caches are read through their block
-table (`forward_paged`). Attention sinks fold into the forward kernels' log-sum-exp, so the backward
-kernels take them through the lse. With TRITON_INTERPRET=1 set before the kernels are first
-imported, it also accepts CPU tensors and runs the same kernels through Triton's interpreter; it is
-never chosen automatically for them (`backend="triton"` asks for it).
+table (`forward_paged`). Mask programs (fused_attn.masks) run in the long-query kernels at every L_q; a
+packed batch with one runs one sequence at a time (fused_attn.backends.packed, each sequence with its row
+of the program: the varlen launch does not take one), and a paged cache takes none. Attention sinks fold
+into the forward kernels' log-sum-exp, so the backward kernels take them through the lse. With
+TRITON_INTERPRET=1 set before the kernels are first imported, it also accepts CPU tensors and runs the
+same kernels through Triton's interpreter; it is never chosen automatically for them (`backend="triton"`
+asks for it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from ..problem import Problem
 from ..scores import FEATURES, PLAIN
-from . import triton_compat
+from . import packed, triton_compat
 from .base import Backend
 
 def _interpret_requested() -> bool:
@@ -87,7 +90,7 @@ class TritonBackend(Backend):
         kernels = _kernels()
         from . import triton_decode  # after the kernels it builds on
 
-        if triton_decode.takes(query, key, value, dropout):
+        if triton_decode.takes(query, key, value, dropout, variant=variant):
             return triton_decode.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
                                          variant)
         return kernels.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
@@ -96,6 +99,8 @@ class TritonBackend(Backend):
     def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal, scale, out,
                       variant=PLAIN):
         self.check_variant(variant, is_causal)
+        if variant.block_tiles is not None:  # attention_with_kvcache passes none
+            raise ValueError("triton: block_tiles: forward_paged takes no mask program (forward does)")
         kernels = _kernels()
         from . import triton_decode
 
@@ -120,11 +125,18 @@ class TritonBackend(Backend):
     def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                        scale, out, lse, dropout=None, variant=PLAIN):
         self.check_variant(variant, is_causal)
+        if variant.block_tiles is not None:  # one sequence at a time, each with its row of the program
+            packed.forward(self, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse, dropout,
+                           variant)
+            return
         _kernels().forward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   is_causal, scale, out, lse, dropout, variant)
 
     def backward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                         scale, out, lse, grad_out, grad_lse, dropout=None, variant=PLAIN):
         self.check_variant(variant, is_causal)
+        if variant.block_tiles is not None:
+            return packed.backward(self, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, scale, out, lse,
+                                   grad_out, grad_lse, dropout, variant)
         return _kernels().backward_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           is_causal, scale, out, lse, grad_out, grad_lse, dropout, variant)

@@ -15,8 +15,8 @@ With L_q of 1 to 16, the long-query forward wastes most of a query tile (one use
 The split count comes from the problem and the device: enough programs for two per SM, each split at
 least `MIN_KEYS_PER_SPLIT` keys. Masks, key padding (its span narrows each split), the band (causal,
 windows, either alignment), softcap and ALiBi are read as the long-query kernels read them (the same
-`_in_band`, `_variant_scores`), attention sinks by the combine; dropout is not (calls with dropout take
-the long-query kernels).
+`_in_band`, `_variant_scores`), attention sinks by the combine; dropout and mask programs are not (calls
+with either take the long-query kernels).
 """
 
 from __future__ import annotations
@@ -94,9 +94,11 @@ def _attn_decode(
         v_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
         k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        # No mask program (`takes` declines calls with one): a full tile, nothing read.
         s, _ = tk._visible_scores(q, k_t, offs_i[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
                                   KPM + off_b * stride_pb, stride_pn, slope2[:, None], softcap2, qk_scale, DIAG,
-                                  LEFT, RIGHT, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, PRECISION)
+                                  LEFT, RIGHT, PART_LSE, tk.PROGRAM_FULL, start_n, MASK_KIND, HAS_KPM, BANDED,
+                                  SOFTCAP, HAS_ALIBI, False, PRECISION)
         p, alpha, m_new, l_i = tk._online_softmax(s, m_i, l_i)
         v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
@@ -166,13 +168,15 @@ def enabled() -> bool:
 MAX_HEAD_DIM = 128  # the fixed config's tiles, checked by the static report up to here
 
 
-def takes(query, key, value, dropout, len_k=None) -> bool:
+def takes(query, key, value, dropout, len_k=None, variant=PLAIN) -> bool:
     """Whether a forward call runs the decode kernels: few query rows per key/value head, head dims up
-    to MAX_HEAD_DIM, no dropout (`len_k`: the keys, where `key` is a paged cache's blocks)."""
+    to MAX_HEAD_DIM, no dropout, no mask program (the rows of a tile here are of several query heads,
+    whose programs may differ; the long-query kernels take it) (`len_k`: the keys, where `key` is a
+    paged cache's blocks)."""
     len_q, group = query.shape[2], query.shape[1] // key.shape[1]
     len_k = key.shape[2] if len_k is None else len_k
-    return enabled() and dropout is None and 0 < len_q <= MAX_QUERIES and group * len_q <= MAX_ROWS \
-        and len_k > 0 and max(query.shape[3], value.shape[3]) <= MAX_HEAD_DIM
+    return enabled() and dropout is None and variant.block_tiles is None and 0 < len_q <= MAX_QUERIES \
+        and group * len_q <= MAX_ROWS and len_k > 0 and max(query.shape[3], value.shape[3]) <= MAX_HEAD_DIM
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,6 +27,13 @@ log-sum-exp is finalised (`_fold_sink`): one exp per row, the key loop unchanged
 switch for them: it recomputes the weights from the log-sum-exp the forward returned, which holds the
 sink (the sinks' own gradient is fused_attn.scores.sink_gradient, in Python).
 
+A mask program (fused_attn.masks; HAS_PROGRAM, the long-query kernels) says per tile of TILE × TILE
+(query rows × keys) whether it is empty, full or partial (csrc/block_mask.h). A block of the kernels lies
+inside one tile (BLOCK_M and BLOCK_N are powers of two up to TILE, and every loop visits blocks that start
+at multiples of their size), so one load of the tile's state (`_program_tile`) decides the block: an empty
+tile is skipped whole (no K/V loads, no products), a full one costs nothing per score, and only a partial
+one reads its bits (`_program_visible`). What the program hides adds to the band, masks and padding.
+
 Every tensor is read and written through its own strides: the slices of a packed projection, permuted
 views, a mask viewed as (B, H_q, L_q, L_k) with stride-0 broadcast dimensions, the output written into
 the merged (B, L, H * D) layout. Nothing is made contiguous. Head dimensions are padded to a power of
@@ -44,8 +51,8 @@ Configs (tile sizes, warps, stages): a default per kernel, GPU generation (sm_80
 size and head dim, each verified by ahead-of-time compilation (bench/triton_report.py). On a GPU the
 kernels are autotuned over the defaults and their neighbours, keyed on the lengths, group size, head
 dims, dtypes and features (AUTOTUNE_KEY), pruned to the configs whose shared memory fits the device
-(FUSED_ATTN_TRITON_AUTOTUNE=0 uses the defaults). Under the interpreter the default config runs
-directly: no autotuning.
+and, with a mask program, whose blocks fit its tiles (FUSED_ATTN_TRITON_AUTOTUNE=0 uses the defaults).
+Under the interpreter the default config runs directly: no autotuning.
 
 This module is imported lazily, on the first launch, so that `triton.jit` sees TRITON_INTERPRET as the
 caller (the test configuration) has set it.
@@ -63,9 +70,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import masks
 from ..scores import PLAIN, UNBOUNDED
 
 LOG2E = math.log2(math.e)
+# A mask program's layout, as the kernels read it (fused_attn.masks, csrc/block_mask.h).
+PROGRAM_TILE = tl.constexpr(masks.TILE)
+PROGRAM_WORDS = tl.constexpr(masks.WORDS)
+PROGRAM_EMPTY = tl.constexpr(masks.EMPTY)
+PROGRAM_FULL = tl.constexpr(masks.FULL)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,6 +188,48 @@ def _in_band(q_idx, k_idx, DIAG, LEFT, RIGHT):
 
 
 @triton.jit
+def _program_tile(TILES, q_first, k_first, stride_tilem, stride_tilen, HAS_PROGRAM: tl.constexpr):
+    """The mask program's state of the tile holding query q_first and key k_first (TILES: the states of
+    one batch row and query head, (NQ, NK) with these strides); FULL without a program, which skips
+    nothing and reads nothing."""
+    state = PROGRAM_FULL
+    if HAS_PROGRAM:
+        state = tl.load(TILES + (q_first // PROGRAM_TILE) * stride_tilem + (k_first // PROGRAM_TILE) * stride_tilen)
+    return state
+
+
+@triton.jit
+def _program_bits(BITS, state, q_idx, start_n, BLOCK_N: tl.constexpr):
+    """[rows, BLOCK_N] bool: whether queries q_idx ([rows, 1], inside one tile) see keys start_n ..
+    start_n + BLOCK_N - 1 (start_n a multiple of BLOCK_N) in the program's partial tile `state`: bit j % 32
+    of word (j % TILE) // 32 of row i % TILE of the tile in BITS. The block's keys are the bits of
+    cdiv(BLOCK_N, 32) consecutive words of each row (a part of one word when BLOCK_N < 32): those words
+    are loaded, one per (row, word), and spread into their bits, never one load per score."""
+    row = state.to(tl.int64) * PROGRAM_TILE + q_idx % PROGRAM_TILE
+    first_keys = start_n + 32 * tl.arange(0, (BLOCK_N + 31) // 32)  # the block's first key in each of its words
+    words = tl.load(BITS + row * PROGRAM_WORDS + ((first_keys % PROGRAM_TILE) // 32)[None, :])
+    lanes = (start_n + tl.arange(0, BLOCK_N // ((BLOCK_N + 31) // 32))) % 32
+    # [rows, words, lanes] in row-major order is [rows, keys]. Signed words: the arithmetic shift keeps
+    # bit 0 the bit asked for.
+    bits = (words[:, :, None] >> lanes[None, None, :]) & 1
+    return tl.reshape(bits, [q_idx.shape[0], BLOCK_N]) != 0
+
+
+@triton.jit
+def _program_visible(visible, BITS, state, q_idx, start_n, BLOCK_N: tl.constexpr, HAS_PROGRAM: tl.constexpr,
+                     KEYS_FIRST: tl.constexpr):
+    """`visible` [rows, keys] (KEYS_FIRST: [keys, rows], the dK/dV kernel's tiles) and what the program
+    shows of the block in tile `state` (`_program_bits`); a full tile hides nothing and reads nothing."""
+    if HAS_PROGRAM:
+        if state >= 0:
+            sees = _program_bits(BITS, state, q_idx, start_n, BLOCK_N)
+            if KEYS_FIRST:
+                sees = tl.trans(sees)
+            visible = visible & sees
+    return visible
+
+
+@triton.jit
 def _variant_scores(s, q_idx, k_idx, slope2, softcap2, DIAG, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Base-2 scores (scale * log2(e) folded in) capped and with ALiBi added, and the cap's derivative
     1 - tanh² (1 without a cap). `softcap2` and `slope2` are the cap and the slope times log2(e)."""
@@ -201,12 +256,14 @@ def _within_span(SPANS, off_b, lo, hi, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _visible_scores(q, k_t, q_idx, offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base, stride_pn, slope2,
-                    softcap2, qk_scale, DIAG, LEFT, RIGHT, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
-                    BANDED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PRECISION: tl.constexpr):
+                    softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n, MASK_KIND: tl.constexpr,
+                    HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr):
     """The base-2 scores of a (query rows, keys) tile, every variant and mask applied, -inf where a key
     is hidden, and the softcap's derivative (`_variant_scores`). `q_idx` [rows, 1] are the rows' query
     indices, `mask_base` [rows, 1] their mask pointers, `slope2` a scalar or [rows, 1]; `k_t` is
-    [D, keys]."""
+    [D, keys] of keys start_n ..; `state` the mask program's tile holding the block (HAS_PROGRAM), its
+    bits in BITS."""
     offs_n64 = offs_n.to(tl.int64)
     # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
     s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
@@ -214,6 +271,7 @@ def _visible_scores(q, k_t, q_idx, offs_n, row_ok, col_ok, mask_base, stride_mn,
     visible = col_ok[None, :] & row_ok[:, None]
     if BANDED:
         visible = visible & _in_band(q_idx, offs_n[None, :], DIAG, LEFT, RIGHT)
+    visible = _program_visible(visible, BITS, state, q_idx, start_n, offs_n.shape[0], HAS_PROGRAM, False)
     if MASK_KIND == 1:
         attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
         visible = visible & (attend != 0)
@@ -253,7 +311,7 @@ def _fold_sink(m_i, l_i, sink2):
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K, PAGES, SINKS,
+    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K, PAGES, SINKS, TILES, BITS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -261,11 +319,13 @@ def _attn_fwd(
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn, stride_ab, stride_ah, stride_tb, PAGE_SIZE,
+    stride_tileb, stride_tileh, stride_tilem, stride_tilen,
     H_Q, GROUP, L_Q, L_K, qk_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
-    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
     # under a causal mask, are scheduled first.
@@ -316,26 +376,30 @@ def _attn_fwd(
         lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
     if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
         hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
+    tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < L_K
-        k_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
-        v_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
-        k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
-                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-        s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
-                               stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, MASK_KIND, HAS_KPM, BANDED,
-                               SOFTCAP, HAS_ALIBI, PRECISION)
-        p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-        if HAS_DROPOUT:
-            # The sum above is of the undropped weights; the kept ones are scaled at the end.
-            bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
-            p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
-        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
+        # The key range starts on a multiple of BLOCK_N: the block lies inside one tile of the program.
+        state = _program_tile(tiles_base, pid_m * BLOCK_M, start_n, stride_tilem, stride_tilen, HAS_PROGRAM)
+        if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < L_K
+            k_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
+            v_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
+            k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
+                          mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+            s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
+                                   stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n,
+                                   MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION)
+            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+            if HAS_DROPOUT:
+                # The sum above is of the undropped weights; the kept ones are scaled at the end.
+                bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
+                p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
+            v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+            m_i = m_new
 
     if HAS_SINKS:  # the head's sink joins each row's softmax here, once (fused_attn.scores)
         sink = tl.load(SINKS + off_h)
@@ -400,7 +464,7 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DK, DV, DMASK, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, TILES, BITS, DK, DV, DMASK, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -410,11 +474,12 @@ def _attn_bwd_dkdv(
     stride_pb, stride_pn,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    stride_dmb, stride_dmh, stride_dmm, stride_dmn, stride_ab, stride_ah, stride_db, stride_dh,
+    stride_dmb, stride_dmh, stride_dmm, stride_dmn, stride_ab, stride_ah,
+    stride_tileb, stride_tileh, stride_tilem, stride_tilen, stride_db, stride_dh,
     H_Q, H_KV, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_PROGRAM: tl.constexpr,
     HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One key block of one key/value head: dK and dV summed over its query heads and query blocks,
@@ -480,50 +545,56 @@ def _attn_bwd_dkdv(
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_db + off_h * stride_dh
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_n64[:, None] * stride_mn
+        tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
         for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            offs_m64 = offs_m.to(tl.int64)
-            row_ok = offs_m < L_Q
-            q_t = tl.load(q_base + offs_m64[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
-                          mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-            do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
-                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-            lse = tl.load(lse_base + offs_m64 * stride_lm, mask=row_ok, other=0.0)
-            # Rows that see no key have lse -inf and all p 0; 0 keeps exp2 finite for them.
-            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-            delta = tl.load(delta_base + offs_m64, mask=row_ok, other=0.0)
+            # The query range starts on a multiple of BLOCK_M: the block lies inside one tile of the program.
+            state = _program_tile(tiles_base, start_m, pid_n * BLOCK_N, stride_tilem, stride_tilen, HAS_PROGRAM)
+            if state != PROGRAM_EMPTY:  # an empty tile: none of its queries is read, its dS is never written
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                offs_m64 = offs_m.to(tl.int64)
+                row_ok = offs_m < L_Q
+                q_t = tl.load(q_base + offs_m64[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
+                              mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+                do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                             mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+                lse = tl.load(lse_base + offs_m64 * stride_lm, mask=row_ok, other=0.0)
+                # Rows that see no key have lse -inf and all p 0; 0 keeps exp2 finite for them.
+                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+                delta = tl.load(delta_base + offs_m64, mask=row_ok, other=0.0)
 
-            s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
-            s_t, cap_grad_t = _variant_scores(s_t, offs_m[None, :], offs_n[:, None], slope2, softcap2, DIAG,
-                                              SOFTCAP, HAS_ALIBI)
-            visible = key_visible[:, None] & row_ok[None, :]
-            if BANDED:
-                visible = visible & _in_band(offs_m[None, :], offs_n[:, None], DIAG, LEFT, RIGHT)
-            if MASK_KIND == 1:
-                attend = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0)
-                visible = visible & (attend != 0)
-            if MASK_KIND == 2:
-                bias = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0.0)
-                s_t = s_t + bias.to(tl.float32) * 1.4426950408889634
-            p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            if HAS_DROPOUT:
-                # dV takes the dropped weights (scaled at the end); dS = P (Z dP / (1 - p) - delta).
-                drop_bh, drop_sequence = _dropout_stream(off_b, off_h, H_Q, VARLEN)
-                bits_t = tl.trans(_dropout_bits(RNG, drop_bh, drop_sequence, offs_m, pid_n * BLOCK_N, BLOCK_N))
-                keep_t = bits_t.to(tl.int64) >= drop_threshold
-                dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
-                dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
-            else:
-                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            if HAS_MASK_GRAD:  # each element once: this program owns these keys of this head
-                tl.store(DMASK + off_b * stride_dmb + off_h * stride_dmh + offs_m64[None, :] * stride_dmm
-                         + offs_n64[:, None] * stride_dmn, ds_t.to(DMASK.dtype.element_ty),
-                         mask=row_ok[None, :] & col_ok[:, None])
-            if SOFTCAP:  # the mask's gradient is of the capped score; q and k take the cap's derivative
-                ds_t = ds_t * cap_grad_t
-            dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
+                s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
+                s_t, cap_grad_t = _variant_scores(s_t, offs_m[None, :], offs_n[:, None], slope2, softcap2, DIAG,
+                                                  SOFTCAP, HAS_ALIBI)
+                visible = key_visible[:, None] & row_ok[None, :]
+                if BANDED:
+                    visible = visible & _in_band(offs_m[None, :], offs_n[:, None], DIAG, LEFT, RIGHT)
+                visible = _program_visible(visible, BITS, state, offs_m[:, None], pid_n * BLOCK_N, BLOCK_N,
+                                           HAS_PROGRAM, True)
+                if MASK_KIND == 1:
+                    attend = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0)
+                    visible = visible & (attend != 0)
+                if MASK_KIND == 2:
+                    bias = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0.0)
+                    s_t = s_t + bias.to(tl.float32) * 1.4426950408889634
+                p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
+                dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+                if HAS_DROPOUT:
+                    # dV takes the dropped weights (scaled at the end); dS = P (Z dP / (1 - p) - delta).
+                    drop_bh, drop_sequence = _dropout_stream(off_b, off_h, H_Q, VARLEN)
+                    bits_t = tl.trans(_dropout_bits(RNG, drop_bh, drop_sequence, offs_m, pid_n * BLOCK_N, BLOCK_N))
+                    keep_t = bits_t.to(tl.int64) >= drop_threshold
+                    dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
+                    dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+                else:
+                    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                if HAS_MASK_GRAD:  # each element once: this program owns these keys of this head
+                    tl.store(DMASK + off_b * stride_dmb + off_h * stride_dmh + offs_m64[None, :] * stride_dmm
+                             + offs_n64[:, None] * stride_dmn, ds_t.to(DMASK.dtype.element_ty),
+                             mask=row_ok[None, :] & col_ok[:, None])
+                if SOFTCAP:  # the mask's gradient is of the capped score; q and k take the cap's derivative
+                    ds_t = ds_t * cap_grad_t
+                dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
 
     dk = dk * sm_scale
     if HAS_DROPOUT:
@@ -538,7 +609,7 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, DQ, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, MASK, KPM, SPANS, RNG, ALIBI, TILES, BITS, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -546,11 +617,12 @@ def _attn_bwd_dq(
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ab, stride_ah, stride_db, stride_dh,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd, stride_ab, stride_ah,
+    stride_tileb, stride_tileh, stride_tilem, stride_tilen, stride_db, stride_dh,
     H_Q, GROUP, L_Q, L_K, qk_scale, sm_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_PROGRAM: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One query block: dQ = dS K * scale over the key blocks it sees."""
@@ -604,26 +676,31 @@ def _attn_bwd_dq(
         lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
     if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
         hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
+    tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        offs_n64 = offs_n.to(tl.int64)
-        col_ok = offs_n < L_K
-        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-        v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                      mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
-        s, cap_grad = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
-                                      kpm_base, stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, MASK_KIND,
-                                      HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, PRECISION)
-        p = tl.exp2(s - lse2[:, None])  # 0 where hidden (s = -inf; lse2 is finite)
-        dp = tl.dot(do, v_t, input_precision=PRECISION)
-        if HAS_DROPOUT:
-            bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
-            dp = tl.where(bits.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * cap_grad
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+        # As in the forward: the block lies inside one tile of the program.
+        state = _program_tile(tiles_base, pid_m * BLOCK_M, start_n, stride_tilem, stride_tilen, HAS_PROGRAM)
+        if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            offs_n64 = offs_n.to(tl.int64)
+            col_ok = offs_n < L_K
+            k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                          mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+            v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                          mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+            s, cap_grad = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
+                                          kpm_base, stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS,
+                                          state, start_n, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI,
+                                          HAS_PROGRAM, PRECISION)
+            p = tl.exp2(s - lse2[:, None])  # 0 where hidden (s = -inf; lse2 is finite)
+            dp = tl.dot(do, v_t, input_precision=PRECISION)
+            if HAS_DROPOUT:
+                bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
+                dp = tl.where(bits.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * cap_grad
+            dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
 
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m64[:, None] * stride_dqm
@@ -728,13 +805,27 @@ _PACKED_DROPOUT_DEFAULTS = {
 }
 
 
+# fp16/bf16 tiles for launches with a mask program (HAS_PROGRAM) where the default spills registers: the
+# branch that skips an empty tile's block keeps the loop's loads out of the software pipeline, so the
+# streamed tiles (K and V; Q and dO in dK/dV) reach shared memory through registers, beside a partial
+# tile's bits. Chosen by compiling candidates for their target on Triton 3.9 (bench/triton_report.py),
+# without and with dropout: no spills, tensor-core instructions kept. Keyed (kernel, arch, head dim of
+# the table).
+_PROGRAM_DEFAULTS = {
+    ("fwd", "sm_90", 64): _K(128, 64, 8, 3),  # the table's (128, 64, 4, 3) spills
+    ("bwd_dq", "sm_80", 128): _K(32, 64, 8, 2),  # the table's (64, 64, 8, 2) spills, (64, 32, 8, 2) too
+}
+
+
 def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
                    constexprs: dict | None = None) -> KernelConfig:
     """The default of `kernel` on `arch` ("sm_80" or "sm_90") for a padded head dim and, where given,
-    the features of the launch (its constexprs: dropout, a bias gradient and packed batches with
-    dropout have tiles of their own)."""
+    the features of the launch (its constexprs: a mask program, dropout, a bias gradient and packed
+    batches with dropout have tiles of their own)."""
     table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
     dim = min(dim for dim in table if dim >= head_dim)
+    if constexprs and constexprs.get("HAS_PROGRAM") and element_size == 2 and (kernel, arch, dim) in _PROGRAM_DEFAULTS:
+        return _PROGRAM_DEFAULTS[(kernel, arch, dim)]
     if constexprs and constexprs.get("HAS_DROPOUT") and element_size == 2:
         if constexprs.get("VARLEN") and (kernel, arch, dim) in _PACKED_DROPOUT_DEFAULTS:
             return _PACKED_DROPOUT_DEFAULTS[(kernel, arch, dim)]
@@ -925,6 +1016,27 @@ def sink_args(variant, heads_q: int, dummy):
     return sinks, dict(HAS_SINKS=True)
 
 
+def program_args(variant, batch: int, heads_q: int, len_q: int, len_k: int, dummy):
+    """(TILES, BITS pointers, the tiles' 4 strides) of the long-query kernels and {"HAS_PROGRAM": ...}: the
+    variant's mask program (fused_attn.masks), its int32 tile states viewed as (B, H_q, NQ, NK) with any
+    strides and the int32 (P, TILE, WORDS) bits of its partial tiles, contiguous; or `dummy` (never read).
+    A program without partial tiles hands over `dummy` for its (empty) bits, which no state points into."""
+    tiles, bits = variant.block_tiles, variant.block_bits
+    if tiles is None:
+        return dummy, dummy, (0, 0, 0, 0), dict(HAS_PROGRAM=False)
+    shape = (batch, heads_q, triton.cdiv(len_q, masks.TILE), triton.cdiv(len_k, masks.TILE))
+    if tiles.dtype != torch.int32 or tuple(tiles.shape) != shape or tiles.device != dummy.device:
+        raise ValueError(f"block_tiles: expected an int32 tensor of shape {shape} on {dummy.device}, got "
+                         f"{tiles.dtype} of shape {tuple(tiles.shape)} on {tiles.device}")
+    row_shape = (masks.TILE, masks.WORDS)
+    if bits is None or bits.dtype != torch.int32 or bits.dim() != 3 or tuple(bits.shape[1:]) != row_shape \
+            or not bits.is_contiguous() or bits.device != dummy.device:
+        got = "None" if bits is None else f"{bits.dtype} of shape {tuple(bits.shape)} on {bits.device}"
+        raise ValueError(f"block_bits: expected a contiguous int32 tensor of shape (P, {masks.TILE}, {masks.WORDS}) "
+                         f"on {dummy.device}, got {got}")
+    return tiles, bits if bits.numel() else dummy, tuple(tiles.stride()), dict(HAS_PROGRAM=True)
+
+
 def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None,
                  variant=PLAIN, sequences: Sequences | None = None, pages: Pages | None = None):
     """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report.
@@ -939,15 +1051,16 @@ def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scal
                                                                              sequences is not None)
     bounds, packed_constexprs = _sequence_args(sequences, lse)
     sinks, sink_constexprs = sink_args(variant, heads_q, lse)
-    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds, table, sinks,
+    tiles, bits, tile_strides, program_constexprs = program_args(variant, batch, heads_q, len_q, len_k, lse)
+    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds, table, sinks, tiles, bits,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
-            *mask_strides, *padding_strides, *alibi_strides, *page_values,
+            *mask_strides, *padding_strides, *alibi_strides, *page_values, *tile_strides,
             heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E,
             drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
                       HAS_KPM=key_padding_mask is not None, **variant_constexprs, **packed_constexprs,
-                      **page_constexprs, HAS_DROPOUT=dropout is not None, **sink_constexprs,
+                      **page_constexprs, HAS_DROPOUT=dropout is not None, **sink_constexprs, **program_constexprs,
                       PRECISION=_precision(query.dtype))
     return args, constexprs
 
@@ -986,13 +1099,15 @@ def backward_args(kernel, query, key, value, attn_mask, key_padding_mask, is_cau
     alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse,
                                                                              sequences is not None)
     bounds, packed_constexprs = _sequence_args(sequences, lse)
-    args = (query, key, value, grad_out, lse, delta, mask, padding, spans, rng, alibi, *grads, *bounds, *common,
-            *grad_strides, *alibi_strides, *delta.stride()[:2], *sizes, heads_q // heads_kv, len_q, len_k,
-            float(scale) * LOG2E, float(scale), drop_threshold, keep_scale, *variant_values)
+    tiles, bits, tile_strides, program_constexprs = program_args(variant, batch, heads_q, len_q, len_k, lse)
+    args = (query, key, value, grad_out, lse, delta, mask, padding, spans, rng, alibi, tiles, bits, *grads, *bounds,
+            *common, *grad_strides, *alibi_strides, *tile_strides, *delta.stride()[:2], *sizes, heads_q // heads_kv,
+            len_q, len_k, float(scale) * LOG2E, float(scale), drop_threshold, keep_scale, *variant_values)
     constexprs = dict(D_QK=dim_qk, D_V=dim_v, BLOCK_DQK=padded_head_dim(dim_qk),
                       BLOCK_DV=padded_head_dim(dim_v), MASK_KIND=kind,
                       HAS_KPM=key_padding_mask is not None, **variant_constexprs, **packed_constexprs,
-                      HAS_DROPOUT=dropout is not None, **extra, PRECISION=_precision(query.dtype))
+                      HAS_DROPOUT=dropout is not None, **program_constexprs, **extra,
+                      PRECISION=_precision(query.dtype))
     return args, constexprs
 
 
@@ -1039,6 +1154,12 @@ def forced_configs(**configs: KernelConfig):
         _forced.update(saved)
 
 
+def _fits_program(config: KernelConfig, constexprs) -> bool:
+    """Whether a launch's blocks each lie inside one tile of its mask program, if it has one: one state
+    per block (`_program_tile`) needs BLOCK_M and BLOCK_N to divide masks.TILE."""
+    return not constexprs.get("HAS_PROGRAM") or max(config.block_m, config.block_n) <= masks.TILE
+
+
 def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     """The default config for this device, or the smallest candidate that fits it if it does not."""
     if kernel in _forced:
@@ -1057,7 +1178,7 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
 # HAS_SINKS is not in the key: it changes only the forward's epilogue, so the config tuned without sinks
 # serves a call with them (a launch still compiles its own specialisation).
 AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "HAS_DROPOUT",
-                "SOFTCAP", "HAS_ALIBI", "VARLEN", "PRECISION")
+                "SOFTCAP", "HAS_ALIBI", "VARLEN", "HAS_PROGRAM", "PRECISION")
 
 
 def autotune_key(kernel: str) -> list[str]:
@@ -1073,7 +1194,7 @@ def _autotuned(kernel: str):
     def prune(configs, named_args, **constexprs):
         tensor = named_args["Q"]
         default = _default_for(kernel, tensor, constexprs)
-        fitting = _fitting(kernel, candidates, tensor, constexprs)
+        fitting = [c for c in _fitting(kernel, candidates, tensor, constexprs) if _fits_program(c, constexprs)]
         head_dim = max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"])
         # Keep the neighbourhood of this head dim's default: tiles no larger than twice its own.
         near = [c for c in fitting if c.block_m * c.block_n <= 2 * default.block_m * default.block_n
@@ -1095,6 +1216,8 @@ def _launch(kernel: str, programs_along, args, constexprs, tensor):
         _autotuned(kernel)[grid](*args, **constexprs)
         return
     config = _default_for(kernel, tensor, constexprs)
+    if not _fits_program(config, constexprs):  # a forced config: the defaults all fit
+        raise ValueError(f"{kernel}: {config} has blocks larger than a mask program's tiles ({masks.TILE})")
     grid = (programs_along(config.block_m, config.block_n),)
     KERNELS[kernel][grid](*args, **constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                           num_warps=config.num_warps, num_stages=config.num_stages)
