@@ -625,22 +625,24 @@ def test_programs_meet_criterion(generator, name, dtype, rotation):
     testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
 
 
+@pytest.mark.parametrize("heads, length", [(2, 384), (8, 1024)])  # (8, 1024): items of several query blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_program_tiles_left_empty_are_never_read(generator, dtype):
+def test_program_tiles_left_empty_are_never_read(generator, dtype, heads, length):
     """Keys and queries of tiles the program leaves empty are not read: NaN there changes nothing elsewhere.
     Documents of 128 tokens: queries of document d see only keys of d (tiles off the diagonal are empty)."""
-    case = testing.Case(batch=1, heads_q=2, heads_kv=1, len_q=384, len_k=384)
+    case = testing.Case(batch=1, heads_q=heads, heads_kv=heads // 2, len_q=length, len_k=length)
     inputs = testing.random_inputs(case, dtype, 0, generator)
-    ids = torch.arange(384) // 128
-    program = masks.mask_program(masks.documents(ids) & masks.causal(), len_q=384)
-    assert program.counts() == {"empty": 6, "full": 3, "partial": 0}  # the diagonal's causal part: the kernels' band
+    ids = torch.arange(length) // 128
+    program = masks.mask_program(masks.documents(ids) & masks.causal(), len_q=length)
+    tiles = (length // 128) ** 2
+    assert program.counts() == {"empty": tiles - length // 128, "full": length // 128, "partial": 0}  # band: diagonal
     inputs = dataclasses.replace(inputs, program=program)
     expected = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, dtype)
     with torch.no_grad():  # the second document's keys and values, which only its own queries see
         inputs.key[:, :, 128:256] = float("nan")
         inputs.value[:, :, 128:256] = float("nan")
     results = testing.run_backend(registry.get("cpu"), inputs)
-    others = torch.cat([torch.arange(128), torch.arange(256, 384)])
+    others = torch.cat([torch.arange(128), torch.arange(256, length)])
     for name, value in results.named().items():
         value, exact = value[:, :, others], getattr(expected[0], name)[:, :, others]  # rows or keys, all at dim 2
         assert torch.isfinite(value).all(), name

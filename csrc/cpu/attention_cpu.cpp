@@ -229,10 +229,11 @@ void choose_tiling(Params& p, bool backward) {
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
   p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
   if (p.program.present()) {
-    // A program's tiles decide whole blocks: key blocks are its tiles' columns and query blocks divide
-    // its rows (the forward's item of several query blocks shares each packed key block).
-    p.block_k = fused_attn::kTile;
-    p.block_q = backward ? fused_attn::kTile / 2 : fused_attn::kTile;
+    // A program's tiles decide whole blocks: query blocks divide its rows; key blocks are its tiles'
+    // columns in the backward, and runs of them in the forward (a multiple of kTile: 128-key blocks cost
+    // the forward 15-19 % against 512, bench/NOTES.md section 30).
+    p.block_q = fused_attn::kTile / 2;
+    p.block_k = backward ? fused_attn::kTile : std::max(fused_attn::kTile, p.block_k / fused_attn::kTile * fused_attn::kTile);
   }
   // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
   p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();

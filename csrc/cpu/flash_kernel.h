@@ -542,10 +542,22 @@ inline void hide_unseen(acc_t* s, int64_t n, int64_t k0, const uint32_t* row) {
   }
 }
 
-// The bits of query qi in its block's program tile when the tile is partial, else null (a full tile
-// hides nothing; empty tiles are never visited).
-inline const uint32_t* program_row(const Params& p, int32_t state, int64_t qi) {
-  return state >= 0 ? p.program.row(state, qi) : nullptr;
+// Scores s[0, n) of query qi, keys k0 + first on, hidden where the program says: `states` are the states of
+// the tiles from key k0 (a multiple of kTile) on; an empty tile hides all its keys, a partial one those whose
+// bits are clear.
+template <typename acc_t>
+inline void hide_by_program(const Params& p, acc_t* s, int64_t n, int64_t k0, int64_t first, int64_t qi,
+                            const int32_t* states) {
+  for (int64_t j = 0; j < n;) {
+    const int64_t offset = first + j, tile = offset / fused_attn::kTile;
+    const int64_t segment = std::min(n - j, (tile + 1) * fused_attn::kTile - offset);
+    if (states[tile] == fused_attn::kTileEmpty) {
+      std::fill(s + j, s + j + segment, neg_inf<acc_t>());
+    } else if (states[tile] >= 0) {
+      hide_unseen(s + j, segment, k0 + offset, p.program.row(states[tile], qi));
+    }
+    j += segment;
+  }
 }
 
 // 2^t for t <= 0 (up to rounding) and -inf, for probabilities rounded to bf16/fp16 next: ATen's
@@ -897,7 +909,7 @@ struct SoftmaxBuffers {
 template <typename scalar_t, typename acc_t, typename ct>
 void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange seen, int64_t k0, int64_t width,
                   int64_t width_pad, acc_t* srow, ct* prow, acc_t* m, acc_t* l, acc_t* orow, uint32_t* bits,
-                  const uint32_t* unseen_bits = nullptr) {
+                  const int32_t* tile_states = nullptr) {
   const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, width);
   const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
   const int64_t n = last - first;
@@ -906,12 +918,12 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   acc_t row_scale = scale;
   acc_t block_max = neg_inf<acc_t>();
   if (n > 0 && scores_are_plain(p)) {
-    if (unseen_bits != nullptr) hide_unseen(srow + first, n, k0 + first, unseen_bits);
+    if (tile_states != nullptr) hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
     block_max = row_max_of(srow + first, n) * scale;
   } else if (n > 0) {
     block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
-    if (unseen_bits != nullptr) {
-      hide_unseen(srow + first, n, k0 + first, unseen_bits);
+    if (tile_states != nullptr) {
+      hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
       block_max = row_max_of(srow + first, n);
     }
     row_scale = acc_t(1);
@@ -1010,17 +1022,26 @@ void forward_impl(const Params& p) {
       const KeyRange span = key_span(p, b);
       int64_t k_begin = visible_keys(p, c0, span).first;
       const int64_t k_end = visible_keys(p, c0 + rows - 1, span).end;
-      // With a program, key blocks are its tiles' columns (BK divides kTile): one state per query block.
-      if (p.program.present()) k_begin -= k_begin % BK;
-      const auto block_state = [&](int64_t r0, int64_t k0) {
-        return p.program.present() ? p.program.tile(b, h, c0 + r0, k0) : fused_attn::kTileFull;
+      // With a program, key blocks start on its tiles' columns (BK is a multiple of kTile) and hold only
+      // tiles that some query block here sees: a tile no query block sees is not even packed.
+      constexpr int64_t T = fused_attn::kTile;
+      const bool program = p.program.present();
+      if (program) k_begin -= k_begin % T;
+      const auto tile_state = [&](int64_t r0, int64_t key) { return p.program.tile(b, h, c0 + r0, key); };
+      const auto seen_here = [&](int64_t key) {
+        for (int64_t r0 = 0; r0 < rows; r0 += BQ) {
+          if (tile_state(r0, key) != fused_attn::kTileEmpty) return true;
+        }
+        return false;
       };
+      int32_t states[4096 / T];  // of one query block's tiles in a key block (BK <= 4096)
       for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
-        bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
-        if (p.program.present()) {  // keys no query block here sees through the program are not even packed
-          bool any = false;
-          for (int64_t r0 = 0; r0 < rows && !any; r0 += BQ) any = block_state(r0, k0) != fused_attn::kTileEmpty;
-          if (!any) continue;
+        if (program) {
+          bk = std::min(T, k_end - k0);
+          if (!seen_here(k0)) continue;
+          while (bk < BK && k0 + bk < k_end && seen_here(k0 + bk)) bk = std::min({bk + T, BK, k_end - k0});
+        } else {
+          bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
         }
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
@@ -1034,21 +1055,36 @@ void forward_impl(const Params& p) {
           const int64_t block_first = visible_keys(p, q0, span).first;
           const int64_t block_end = visible_keys(p, q0 + bq - 1, span).end;
           if (block_end <= k0 || block_first >= k0 + bk) continue;  // no row of this block sees these keys
-          const int32_t state = block_state(r0, k0);
-          if (state == fused_attn::kTileEmpty) continue;
-          // The products stop at the last key the block's last query sees.
-          const int64_t width = std::min(bk, block_end - k0);
+          // The products stop at the last key the block's last query sees (and, with a program, at the end of
+          // the last tile the block sees).
+          int64_t width = std::min(bk, block_end - k0);
+          // With a program, the values of the tiles before the first one the block sees stay unread (their
+          // weights are 0, but a 0 times a NaN in memory nobody sees would be NaN).
+          int64_t lead = 0;
+          if (program) {
+            int64_t seen_end = 0;
+            lead = -1;
+            for (int64_t t = 0; t * T < width; ++t) {
+              states[t] = tile_state(r0, k0 + t * T);
+              if (states[t] == fused_attn::kTileEmpty) continue;
+              seen_end = std::min(width, (t + 1) * T);
+              if (lead < 0) lead = t * T;
+            }
+            if (seen_end == 0) continue;
+            width = seen_end;
+          }
           const int64_t width_pad = vnni ? round_up(width, 2) : width;
           gemm<ct, acc_t>(bq, width, Dpad, q_rows + r0 * ldq, ldq, kbuf, bk, sbuf, bk, false, p.use_brgemm);
           for (int64_t r = 0; r < bq; ++r) {
             const int64_t qi = q0 + r;
             softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), k0, width, width_pad, sbuf + r * bk,
                                    pbuf + r * ldp, row_max + r0 + r, row_sum + r0 + r, obuf + (r0 + r) * Dv,
-                                   buffers.bits, program_row(p, state, qi));
+                                   buffers.bits, program ? states : nullptr);
           }
           const uint32_t block_bit = uint32_t(1) << (r0 / BQ);
-          gemm<ct, acc_t>(bq, Dv, width_pad, pbuf, ldp, vbuf, Dv, obuf + r0 * Dv, Dv, (written & block_bit) != 0,
-                          p.use_brgemm);
+          // (lead is a multiple of kTile: the VNNI pairs of packed V rows start there too.)
+          gemm<ct, acc_t>(bq, Dv, width_pad - lead, pbuf + lead, ldp, vbuf + lead * Dv, Dv, obuf + r0 * Dv, Dv,
+                          (written & block_bit) != 0, p.use_brgemm);
           written |= block_bit;
         }
       }
