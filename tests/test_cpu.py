@@ -501,7 +501,7 @@ def test_refusals():
     problem = fused_attn.problem.Problem.of(q, q, q, None, None, False, 0.1)
     assert backend.refusals(problem) == ["runs on CPU tensors only, got device meta"]
     assert backend.devices == ("cpu",) and backend.takes_dropout and backend.takes_mask_gradient
-    assert backend.takes_score_variants == {"bottom_right", "window", "softcap", "alibi", "sinks"}
+    assert backend.takes_score_variants == {"bottom_right", "window", "softcap", "alibi", "sinks", "mask_program"}
 
 
 SHARED = torch.randn(2, 4, 6, 8)

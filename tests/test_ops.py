@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn import ops, testing
+from fused_attn import masks, ops, testing
 from fused_attn.backends import registry
 from fused_attn.problem import Problem
 
@@ -145,7 +145,19 @@ def test_opcheck_with_sinks(backend):
     for args, description in sample_inputs():
         if args[7] > 0.0 and not registry.get(backend).takes_dropout:
             continue
-        torch.library.opcheck(ops.attention_fwd, (*args, backend, -1, -1, False, 0.0, None, 0, sinks))
+        torch.library.opcheck(ops.attention_fwd, (*args, backend, -1, -1, False, 0.0, None, 0, None, None, sinks))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_opcheck_with_a_mask_program(backend):
+    """A mask program (block_tiles, block_bits) through the op, its fake kernel and its autograd."""
+    for args, description in sample_inputs():
+        if args[3] is not None or args[7] > 0.0 and not registry.get(backend).takes_dropout:
+            continue  # (a program comes instead of a dense mask)
+        query, key = args[0], args[1]
+        program = masks.mask_program(masks.chunks(3) | masks.causal(), len_q=query.shape[2], len_k=key.shape[2])
+        tiles, bits = program.for_call(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.device)
+        torch.library.opcheck(ops.attention_fwd, (*args, backend, -1, -1, False, 0.0, None, 0, tiles, bits, None))
 
 
 def test_compiled_split_heads_with_sinks_has_no_graph_breaks():
