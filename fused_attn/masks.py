@@ -10,7 +10,7 @@ combine with `&` and `|`:
     causal(alignment)           key j seen by query i iff j <= i + offset ("top_left" or "bottom_right")
     sliding_window(left, right, alignment)
     kept_keys(kept)             key padding: the keys of each row marked kept (transformers' attention_mask)
-    mask_function(fn)           any mask_mod, evaluated in slices of rows
+    mask_function(fn)           any mask_mod (its tiles classified from index ranges where it allows)
 
 FlexAttention's BlockMask (`create_block_mask`) is taken as it is: `program_of_block_mask` reuses its
 block classification and evaluates its mask_mod on its partial blocks only.
@@ -21,7 +21,9 @@ and the backward reuse it (`attention(..., attn_mask=program)`). It describes ea
 pair, TILE · TILE / 8 bytes): csrc/block_mask.h gives the layout the kernels read. Its memory is 4 bytes
 per tile state (per batch row and head it varies with) plus 2 KiB per partial tile, never an L_q × L_k
 tensor: the ready-made masks classify tiles from per-tile index ranges and evaluate only the partial
-tiles; a plain function is evaluated in slices of rows (ROWS_PER_SLICE × L_k at a time).
+tiles. A plain function is run once on index ranges (fused_attn.mask_ranges) to classify the tiles the same
+way; one whose operations those ranges cannot follow is evaluated in slices of rows (ROWS_PER_SLICE × L_k
+at a time).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from typing import Callable
 import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
+
+from . import mask_ranges
 
 TILE = 128  # csrc/block_mask.h: kTile
 WORDS = TILE // 32
@@ -50,6 +54,8 @@ class TileGeometry:
     len_q: int
     len_k: int
     device: torch.device
+    batch: int = 1  # the rows and heads the program holds apart (b and h a mask_mod is called with)
+    heads: int = 1
 
     def _bounds(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         lo = torch.arange(0, max(length, 1), TILE, device=self.device)
@@ -151,6 +157,13 @@ class _Function(MaskMod):
     def __call__(self, b, h, q_idx, kv_idx):
         return self.fn(b, h, q_idx, kv_idx)
 
+    def tile_states(self, geometry):
+        try:
+            return mask_ranges.tile_truth(self.fn, geometry.batch, geometry.heads, geometry.query_bounds(),
+                                          geometry.key_bounds(), geometry.device)
+        except Exception:  # anything the ranges do not follow (or an error the pairs' evaluation will raise)
+            return None
+
     def __repr__(self):
         return f"mask_function({getattr(self.fn, '__name__', self.fn)!r})"
 
@@ -158,7 +171,10 @@ class _Function(MaskMod):
 def mask_function(fn: Callable) -> MaskMod:
     """Any FlexAttention mask_mod(b, h, q_idx, kv_idx) -> bool. It is called on broadcast index tensors
     (int64; b and h of shape (…, 1, 1)), so it must be written with tensor operations, as for
-    `torch.func.vmap`; its pairs are all evaluated when the program is built, ROWS_PER_SLICE rows at a time."""
+    `torch.func.vmap`. The program's build runs it once on index ranges that stand for whole tiles
+    (fused_attn.mask_ranges) and evaluates pair by pair only the tiles found neither empty nor full; a function
+    whose operations the ranges do not follow (see there) has all its pairs evaluated, ROWS_PER_SLICE rows at a
+    time."""
     if isinstance(fn, MaskMod):
         return fn
     if not callable(fn):
@@ -485,6 +501,17 @@ def dense_of(tiles: torch.Tensor, bits: torch.Tensor, len_q: int, len_k: int) ->
 _UNBANDED: "weakref.WeakKeyDictionary[MaskProgram, MaskProgram]" = weakref.WeakKeyDictionary()
 
 
+def _inside_words(part: torch.Tensor, len_q: int, len_k: int) -> torch.Tensor:
+    """The bits of the pairs inside the lengths of tiles `part` (n, 4) = (b, h, q tile, k tile): (n, TILE, WORDS)
+    int32, as _pack_bits lays them out (all ones but in the tiles the lengths cut)."""
+    offsets = torch.arange(TILE, device=part.device)
+    rows = (part[:, 2:3] * TILE + offsets) < len_q  # (n, TILE)
+    keys = (part[:, 3:4] * TILE + torch.arange(0, TILE, 32, device=part.device)).clamp(max=len_k)
+    counts = (len_k - keys).clamp(0, 32)  # (n, WORDS): the keys of each word before len_k, its low bits
+    words = torch.where(counts == 32, -1, (torch.ones_like(counts) << counts) - 1).to(torch.int32)
+    return torch.where(rows[:, :, None], words[:, None, :], 0)
+
+
 def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: int):
     """The tiles at `where` (n, 4) = (b, h, q tile, k tile) indices, evaluated pair by pair: (bits (n, TILE, WORDS)
     int32 with the pairs past the lengths 0, some (n,) bool: a pair is seen, every (n,) bool: all are)."""
@@ -494,14 +521,15 @@ def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: i
     for start in range(0, where.shape[0], TILES_PER_BATCH):
         part = where[start:start + TILES_PER_BATCH]
         b, h = part[:, 0].view(-1, 1, 1), part[:, 1].view(-1, 1, 1)
-        q = (part[:, 2] * TILE).view(-1, 1, 1) + offsets.view(1, TILE, 1)
-        kv = (part[:, 3] * TILE).view(-1, 1, 1) + offsets.view(1, 1, TILE)
-        inside = (q < len_q) & (kv < len_k)
-        seen = mask_mod(b, h, q.clamp(max=len_q - 1), kv.clamp(max=len_k - 1))
-        seen = torch.as_tensor(seen, device=device).expand(part.shape[0], TILE, TILE) & inside
-        bits.append(_pack_bits(seen))
-        some.append(seen.flatten(1).any(dim=1))
-        every.append((seen | ~inside).flatten(1).all(dim=1))
+        q = ((part[:, 2] * TILE).view(-1, 1, 1) + offsets.view(1, TILE, 1)).clamp(max=len_q - 1)
+        kv = ((part[:, 3] * TILE).view(-1, 1, 1) + offsets.view(1, 1, TILE)).clamp(max=len_k - 1)
+        seen = torch.as_tensor(mask_mod(b, h, q, kv), device=device).expand(part.shape[0], TILE, TILE)
+        # Seen and every pair seen are read from the packed words (32 pairs a word), the lengths applied there.
+        inside = _inside_words(part, len_q, len_k)
+        words = _pack_bits(seen) & inside
+        bits.append(words)
+        some.append((words != 0).flatten(1).any(dim=1))
+        every.append((words == inside).flatten(1).all(dim=1))
     if not bits:
         return (torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device),
                 torch.zeros(0, dtype=torch.bool, device=device), torch.zeros(0, dtype=torch.bool, device=device))
@@ -596,7 +624,7 @@ def mask_program(mask, batch=None, heads=None, len_q=None, len_k=None, device=No
         return MaskProgram(torch.full(shape, EMPTY, dtype=torch.int32, device=device),
                            torch.zeros((0, TILE, WORDS), dtype=torch.int32, device=device), len_q, len_k, mask_mod)
     band, bits_mod = _split_band(mask_mod) if factor_band else (None, mask_mod)
-    geometry = TileGeometry(len_q, len_k, device)
+    geometry = TileGeometry(len_q, len_k, device, programs_batch, programs_heads)
     structure = bits_mod.tile_states(geometry)
     if structure is not None and band is not None:
         # A tile is empty where the whole mask sees nothing, full where the bits' part sees everything.
