@@ -286,11 +286,17 @@ class _Groups(MaskMod):
     def tile_states(self, geometry):
         q_min, q_max = _tile_range(self.q_ids, geometry.len_q)
         k_min, k_max = _tile_range(self.kv_ids, geometry.len_k)
-        q_min, q_max = q_min[:, None, :, None], q_max[:, None, :, None]
-        k_min, k_max = k_min[:, None, None, :], k_max[:, None, None, :]
-        some = (q_min <= k_max) & (k_min <= q_max)
-        every = (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
-        return some, every
+        return _same_group((q_min[:, None, :, None], q_max[:, None, :, None]),
+                           (k_min[:, None, None, :], k_max[:, None, None, :]))
+
+
+def _same_group(query_groups, key_groups):
+    """(some, every) of "the query's group is the key's" for tiles whose queries' groups span query_groups
+    (min, max) and keys' key_groups: some pair may match where the spans meet, all do where both are one group."""
+    (q_min, q_max), (k_min, k_max) = query_groups, key_groups
+    some = (q_min <= k_max) & (k_min <= q_max)
+    every = (q_min == q_max) & (k_min == k_max) & (q_min == k_min)
+    return some, every
 
 
 class _Documents(_Groups):
@@ -320,10 +326,8 @@ class _Chunks(MaskMod):
 
     def tile_states(self, geometry):
         (q_lo, q_hi), (k_lo, k_hi) = geometry.query_bounds(), geometry.key_bounds()
-        size = self.chunk_size
-        some = (q_lo // size <= k_hi // size) & (k_lo // size <= q_hi // size)
-        every = (q_lo // size == q_hi // size) & (k_lo // size == k_hi // size) & (q_lo // size == k_lo // size)
-        return some, every
+        size = self.chunk_size  # chunk numbers grow with the index: a tile's span is that of its ends
+        return _same_group((q_lo // size, q_hi // size), (k_lo // size, k_hi // size))
 
     def __repr__(self):
         return f"chunks({self.chunk_size})"
