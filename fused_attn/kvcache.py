@@ -7,6 +7,12 @@ attend over the sequence's keys. Everything runs on the device, with no host syn
 A paged cache is read in place by the kernels that take a block table (`Backend.forward_paged`: cpu,
 triton); the others run on its sequences' blocks gathered into a dense copy.
 
+flash-attn's cache options: with `cache_batch_idx` a dense cache runs as a paged one whose blocks are
+its rows (one block of L_max keys each, the sequence's row its only table entry), so the same kernels
+read the named rows in place; `cache_leftpad` hides the keys before each sequence's start as key
+padding (the kernels visit the span [start, end) alone); the rotary embedding turns q and the new keys
+in torch before the kernels (fused_attn.rotary).
+
 How the sequences' own lengths reach the kernels: the keys past a sequence's end are key padding,
 which the fused kernels never visit (fused_attn.backends: key padding as a range of keys). Query i
 of sequence b sits at position `length_b - L_q + i`; with one query and no window that position sees
@@ -28,6 +34,7 @@ from .backends import registry
 from .checks import _check_options, assert_on_device
 from .functional import attention
 from .problem import Problem, output_like
+from . import rotary
 from .scores import variant_of, with_sinks
 
 
@@ -41,14 +48,41 @@ def _check_cache(name: str, cache: torch.Tensor, paged: bool, query: torch.Tenso
                         f"{cache.dtype} on {cache.device}")
 
 
-def _check_lengths(cache_seqlens, batch: int, device) -> None:
-    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
-            or tuple(cache_seqlens.shape) != (batch,):
-        raise ValueError(f"cache_seqlens: expected an int32 tensor of shape (B,) = ({batch},), got "
-                         f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} of shape "
-                         f"{tuple(getattr(cache_seqlens, 'shape', ()))}")
-    if cache_seqlens.device != device:
-        raise ValueError(f"cache_seqlens: expected device {device} (as query), got {cache_seqlens.device}")
+def _check_per_sequence(name: str, tensor, batch: int, device) -> None:
+    """cache_seqlens, cache_batch_idx, cache_leftpad: one int32 per sequence, on query's device."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32 or tuple(tensor.shape) != (batch,):
+        raise ValueError(f"{name}: expected an int32 tensor of shape (B,) = ({batch},), got "
+                         f"{getattr(tensor, 'dtype', type(tensor).__name__)} of shape "
+                         f"{tuple(getattr(tensor, 'shape', ()))}")
+    if tensor.device != device:
+        raise ValueError(f"{name}: expected device {device} (as query), got {tensor.device}")
+
+
+def _check_rotary(rotary_cos, rotary_sin, query, key) -> None:
+    """The tables (seqlen_ro, rotary_dim / 2), alike, of query's dtype or float32, on its device."""
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        missing = "rotary_cos" if rotary_cos is None else "rotary_sin"
+        raise ValueError(f"{missing}: expected with {'rotary_sin' if rotary_cos is None else 'rotary_cos'} "
+                         "(both tables or neither)")
+    dtypes = (query.dtype, torch.float32)
+    for name, table in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(table, torch.Tensor) or table.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor (seqlen_ro, rotary_dim / 2), got "
+                             f"{tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__}")
+        if table.dtype not in dtypes:
+            raise TypeError(f"{name}: expected dtype {query.dtype} (as query) or torch.float32, got {table.dtype}")
+        if table.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} (as query), got {table.device}")
+    if rotary_sin.shape != rotary_cos.shape or rotary_sin.dtype != rotary_cos.dtype:
+        raise ValueError(f"rotary_sin: expected rotary_cos's shape {tuple(rotary_cos.shape)} and dtype "
+                         f"{rotary_cos.dtype}, got {tuple(rotary_sin.shape)} and {rotary_sin.dtype}")
+    if 2 * rotary_cos.shape[1] > query.shape[3]:
+        raise ValueError(f"rotary_cos: rotary_dim = 2 * {rotary_cos.shape[1]} exceeds the head dim {query.shape[3]}")
+    if key is None:
+        raise ValueError("rotary_cos: the rotary embedding turns the new keys and the queries at the new keys' "
+                         "positions; expected key and value to append (as flash-attn)")
 
 
 def _positions_of(block_table: torch.Tensor | None, block_size: int, positions: torch.Tensor):
@@ -70,24 +104,27 @@ def _append(cache: torch.Tensor, new: torch.Tensor, positions, block_table, bloc
         cache[rows, offsets] = tokens
 
 
-def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scale, softcap, alibi_slopes, sinks,
-                     backend):
-    """`attention` over the paged cache's sequences, by the chosen backend's `forward_paged`: the kernels
-    read the blocks in place where they take a block table (fused_attn.backends.base)."""
+def _chosen_backend(query, heads_kv, dim_k, dim_v, len_k, banded, scale, variant, backend):
+    """The backend that runs the call's attention, chosen (and what it relies on checked) before anything
+    is appended, so that a refused call leaves the cache as it was."""
     batch, heads_q, len_q, dim = query.shape
-    _, block_size, heads_kv, dim_k = k_blocks.shape
     if dim_k != dim:
         raise ValueError(f"k_cache: expected head dim {dim} (as query), got {dim_k}")
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"k_cache: expected a number of heads dividing the query's {heads_q}, got {heads_kv}")
     _check_options(0.0, scale, False)
-    len_k = block_table.shape[1] * block_size
-    variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, sinks)
     problem = Problem(device=query.device, dtype=query.dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
-                      len_q=len_q, len_k=len_k, head_dim_qk=dim, head_dim_v=v_blocks.shape[3], is_causal=False,
-                      dropout_p=0.0, mask_dtype=None if mask is None else mask.dtype, mask_requires_grad=False,
+                      len_q=len_q, len_k=len_k, head_dim_qk=dim, head_dim_v=dim_v, is_causal=False,
+                      dropout_p=0.0, mask_dtype=torch.bool if banded else None, mask_requires_grad=False,
                       has_key_padding_mask=True, score_features=variant.features(False))
-    chosen = registry.choose(problem, backend)
+    return registry.choose(problem, backend)
+
+
+def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scale, variant, chosen):
+    """`attention` over the paged cache's sequences, by the chosen backend's `forward_paged`: the kernels
+    read the blocks in place where they take a block table (fused_attn.backends.base)."""
+    batch, heads_q, len_q, dim = query.shape
+    len_k = block_table.shape[1] * k_blocks.shape[1]
     if mask is not None:
         mask = mask.expand(batch, heads_q, len_q, len_k)
     out = output_like(query, v_blocks.shape[3], seq_first=False)
@@ -97,19 +134,34 @@ def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scal
     return out, lse
 
 
-def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cache_seqlens, block_table=None,
-                           scale=None, is_causal=True, window_size=None, softcap=None, alibi_slopes=None,
-                           sinks=None, return_lse=False, backend=None):
+def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cache_seqlens, cache_batch_idx=None,
+                           cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=True, scale=None, is_causal=True, window_size=None, softcap=None,
+                           alibi_slopes=None, sinks=None, return_lse=False, backend=None):
     """Appends `key`/`value` to each sequence's cache, in place, and attends over the sequence.
 
     Args:
         query: (B, H_q, L_q, D), the last L_q positions of each sequence.
         k_cache, v_cache: (B, H_kv, L_max, D) and (B, H_kv, L_max, D_v), any strides (a
-            (B, L_max, H_kv, D) buffer passed as `.transpose(1, 2)` works, with no copy); or, with
-            `block_table`, paged: (num_blocks, block_size, H_kv, D) blocks of any block size.
+            (B, L_max, H_kv, D) buffer passed as `.transpose(1, 2)` works, with no copy); with
+            `cache_batch_idx`, (B_cache, H_kv, L_max, D) rows of any number; or, with `block_table`,
+            paged: (num_blocks, block_size, H_kv, D) blocks of any block size.
         key, value: (B, H_kv, L_new, D) and (B, H_kv, L_new, D_v), or None (nothing to append).
-        cache_seqlens: int32 (B,): each sequence's length before the append.
+        cache_seqlens: int32 (B,): where each sequence's keys end in its cache row (or blocks) before
+            the append; the new keys go there.
+        cache_batch_idx: int32 (B,) or None: the cache row of each sequence (dense caches only);
+            rows no sequence names are neither read nor written. None: row b for sequence b.
+        cache_leftpad: int32 (B,) or None: where each sequence's keys start in its row (dense caches
+            only), at most cache_seqlens; the keys before it are never seen. Positions stay those of
+            the row (windows, ALiBi, rotary).
         block_table: int32 (B, max_blocks): the cache blocks of each sequence, in order.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) of query's dtype or float32, or None:
+            the rotary embedding (fused_attn.rotary) of the first rotary_dim dimensions of the new
+            keys, at positions cache_seqlens + i, before they are stored, and of the queries: at
+            cache_seqlens + i with `is_causal` or a window, all at cache_seqlens otherwise (as
+            flash-attn's `flash_attn_with_kvcache`). Needs key and value.
+        rotary_interleaved: pairs dimensions (2i, 2i + 1) (GPT-J, flash-attn's default), else
+            (i, i + rotary_dim / 2) (GPT-NeoX).
         is_causal: query i sees the keys up to its own position (bottom-right aligned to each
             sequence's end), as in generation; with one query it sees the whole sequence anyway.
         scale, window_size, softcap, alibi_slopes, sinks, return_lse, backend: as in `fused_attn.attention`,
@@ -123,9 +175,20 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         raise ValueError("query: expected a 4-D tensor (B, H_q, L_q, D)")
     batch, _, len_q, _ = query.shape
     paged = block_table is not None
+    # flash-attn refuses both with a paged cache: a sequence's blocks are its row, and its first block
+    # can start where its keys do.
+    if paged and cache_batch_idx is not None:
+        raise ValueError("cache_batch_idx: not taken with block_table (the block table already says where each "
+                         "sequence's keys lie)")
+    if paged and cache_leftpad is not None:
+        raise ValueError("cache_leftpad: not taken with block_table (a sequence's block table can start at the "
+                         "block of its first key)")
     _check_cache("k_cache", k_cache, paged, query)
     _check_cache("v_cache", v_cache, paged, query)
-    _check_lengths(cache_seqlens, batch, query.device)
+    _check_per_sequence("cache_seqlens", cache_seqlens, batch, query.device)
+    for name, tensor in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if tensor is not None:
+            _check_per_sequence(name, tensor, batch, query.device)
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
                 or block_table.dim() != 2 or block_table.shape[0] != batch:
@@ -139,15 +202,35 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         capacity = block_table.shape[1] * block_size
     else:
         block_size = 0
-        if k_cache.shape[0] != batch or v_cache.shape[:3] != k_cache.shape[:3]:
-            raise ValueError(f"k_cache, v_cache: expected (B, H_kv, L_max) alike with B = {batch}, got "
+        rows = "any number of rows" if cache_batch_idx is not None else f"B = {batch}"
+        if (cache_batch_idx is None and k_cache.shape[0] != batch) or v_cache.shape[:3] != k_cache.shape[:3]:
+            raise ValueError(f"k_cache, v_cache: expected (B, H_kv, L_max) alike with {rows}, got "
                              f"{tuple(k_cache.shape[:3])} and {tuple(v_cache.shape[:3])}")
         capacity = k_cache.shape[2]
     if (key is None) != (value is None):
         raise ValueError("key, value: expected both or neither")
     len_new = 0 if key is None else key.shape[2]
+    _check_rotary(rotary_cos, rotary_sin, query, key)
     # The keywords are checked before anything is appended: a refused call leaves the cache as it was.
     variant = variant_of(query, "bottom_right", window_size, softcap, alibi_slopes, sinks)
+    left, right = variant.bounds(False)  # the window alone: -1 where unbounded
+    # flash-attn's rule for the queries' rotary positions: one per query under a causal or windowed
+    # mask, else every query at the first new position.
+    queries_in_order = is_causal or left >= 0 or right >= 0
+    if is_causal and len_q > 1:  # (one query sees no key after it: the sequence ends there)
+        right = 0
+    # What matters is the visible band, not the flag: a window of right bound 0 is causal too.
+    if alibi_slopes is not None and len_q > 1 and right != 0:
+        raise ValueError(f"alibi_slopes: with is_causal=False, window_size={window_size!r} and more than one "
+                         "query, some keys lie after a query, where ALiBi aligned to the cache's end is not a "
+                         "shift of the scores; pass is_causal=True, a window of right bound 0, or one query "
+                         "at a time")
+    # With ALiBi the kernels' scores are off by a shift per row (below), which the sinks do not share:
+    # they join after the shift is undone.
+    kernel_sinks = None if alibi_slopes is not None else sinks
+    kernel_variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, kernel_sinks)
+    chosen = _chosen_backend(query, k_cache.shape[2] if paged else k_cache.shape[1], k_cache.shape[3],
+                             v_cache.shape[3], capacity, left >= 0 or right >= 0, scale, kernel_variant, backend)
 
     with torch.no_grad():
         if key is not None:
@@ -157,25 +240,58 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
                 if not isinstance(new, torch.Tensor) or tuple(new.shape) != expected or new.dtype != query.dtype:
                     raise ValueError(f"{name}: expected shape {expected} and dtype {query.dtype}, got "
                                      f"{tuple(getattr(new, 'shape', ()))} and {getattr(new, 'dtype', None)}")
-        lengths = cache_seqlens.long() + len_new
+        starts = cache_seqlens.long()
+        lengths = starts + len_new
         assert_on_device(((cache_seqlens >= 0) & (lengths <= capacity)).all(),
                           f"cache_seqlens: every length after the append must lie in [0, {capacity}] (the "
                           f"cache's capacity)")
+        if cache_batch_idx is not None:
+            rows_in_cache = k_cache.shape[0]
+            assert_on_device(((cache_batch_idx >= 0) & (cache_batch_idx < rows_in_cache)).all(),
+                             f"cache_batch_idx: every index must lie in [0, {rows_in_cache}) (the cache's rows)")
+            if len_new > 0 and batch > 1:  # two sequences appending to one row would overwrite each other
+                ordered = cache_batch_idx.sort().values
+                assert_on_device((ordered[1:] != ordered[:-1]).all(),
+                                 "cache_batch_idx: sequences that append keys must name distinct cache rows")
+        if cache_leftpad is not None:
+            assert_on_device(((cache_leftpad >= 0) & (cache_leftpad <= cache_seqlens)).all(),
+                             "cache_leftpad: every start must lie in [0, cache_seqlens] (its sequence's end "
+                             "before the append)")
+        # The rotary positions read past cache_seqlens: the new keys', and the queries' (in order, or all
+        # at the first).
+        reach = max(len_new, len_q if queries_in_order else min(len_q, 1))
+        if rotary_cos is not None and reach > 0:
+            assert_on_device((lengths - len_new + reach <= rotary_cos.shape[0]).all(),
+                             f"rotary_cos, rotary_sin: a table of {rotary_cos.shape[0]} positions must cover "
+                             f"cache_seqlens + {reach} - 1, the last position it is read at")
         if paged:  # the blocks holding each sequence's keys must be blocks of the cache; others are never read
             used = torch.arange(block_table.shape[1], device=query.device)[None, :] * block_size < lengths[:, None]
             assert_on_device(((block_table >= 0) & (block_table < k_cache.shape[0]) | ~used).all(),
                              f"block_table: every block holding a sequence's keys must lie in [0, {k_cache.shape[0]})")
+        if cache_batch_idx is not None:
+            if capacity > 0:
+                # Each row as a paged cache's one block of L_max keys: every kernel that takes a block
+                # table reads the named rows in place, and the append writes through the same view.
+                k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+                block_table, block_size, paged = cache_batch_idx[:, None], capacity, True
+            else:  # rows without keys: nothing to read or write
+                k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
+        if rotary_cos is not None:
+            steps = torch.arange(len_q, device=query.device) if queries_in_order else \
+                torch.zeros(len_q, dtype=torch.long, device=query.device)
+            query = rotary.rotate(query, rotary_cos, rotary_sin, starts[:, None] + steps, rotary_interleaved)
         if key is not None:
-            positions = cache_seqlens.long()[:, None] + torch.arange(len_new, device=query.device)
+            positions = starts[:, None] + torch.arange(len_new, device=query.device)
+            if rotary_cos is not None:  # stored turned: later steps read them as they are
+                key = rotary.rotate(key, rotary_cos, rotary_sin, positions, rotary_interleaved)
             _append(k_cache, key, positions, block_table, block_size)
             _append(v_cache, value, positions, block_table, block_size)
 
         len_k = capacity
         key_index = torch.arange(len_k, device=query.device)
         padding = key_index[None, :] >= lengths[:, None]
-        left, right = variant.bounds(False)  # the window alone: -1 where unbounded
-        if is_causal and len_q > 1:  # (one query sees no key after it: the sequence ends there)
-            right = 0
+        if cache_leftpad is not None:  # a span [start, end) per row, which the kernels visit alone
+            padding |= key_index[None, :] < cache_leftpad.long()[:, None]
         mask = None
         if left >= 0 or right >= 0:
             # Query i of sequence b sits at lengths[b] - L_q + i: its window and causal bound there.
@@ -187,18 +303,9 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             if right >= 0:
                 visible &= distance <= right
             mask = visible[:, None]
-        # What matters is the visible band, not the flag: a window of right bound 0 is causal too.
-        if alibi_slopes is not None and len_q > 1 and right != 0:
-            raise ValueError(f"alibi_slopes: with is_causal=False, window_size={window_size!r} and more than one "
-                             "query, some keys lie after a query, where ALiBi aligned to the cache's end is not a "
-                             "shift of the scores; pass is_causal=True, a window of right bound 0, or one query "
-                             "at a time")
-        # With ALiBi the kernels' scores are off by a shift per row (below), which the sinks do not share:
-        # they join after the shift is undone.
-        kernel_sinks = None if alibi_slopes is not None else sinks
         if paged:
-            out, lse = _paged_attention(query, k_cache, v_cache, block_table, mask, padding, scale, softcap,
-                                        alibi_slopes, kernel_sinks, backend)
+            out, lse = _paged_attention(query, k_cache, v_cache, block_table, mask, padding, scale, kernel_variant,
+                                        chosen)
         else:
             out, lse = attention(query, k_cache, v_cache, mask, scale=scale,
                                  enable_gqa=query.shape[1] != k_cache.shape[1], key_padding_mask=padding,

@@ -12,13 +12,15 @@ from fused_attn import testing
 HEADS_Q, HEADS_KV, DIM = 4, 2, 16
 
 
-def expected_of(query, keys, values, lengths, dtype, **options):
-    """The definition, sequence by sequence: bottom-right aligned attention over the valid prefix, by
-    the reference backend in `dtype`."""
+def expected_of(query, keys, values, lengths, dtype, starts=None, **options):
+    """The definition, sequence by sequence: bottom-right aligned attention over the valid keys
+    (starts[b] .. lengths[b], from 0 without starts), by the reference backend in `dtype`."""
     outs, lses = [], []
-    for b, length in enumerate(lengths.tolist()):
+    starts = [0] * len(lengths) if starts is None else starts.tolist()
+    for b, (start, length) in enumerate(zip(starts, lengths.tolist())):
         out, lse = fused_attn.attention(
-            query[b:b + 1].to(dtype), keys[b:b + 1, :, :length].to(dtype), values[b:b + 1, :, :length].to(dtype),
+            query[b:b + 1].to(dtype), keys[b:b + 1, :, start:length].to(dtype),
+            values[b:b + 1, :, start:length].to(dtype),
             enable_gqa=True, causal_alignment="bottom_right", return_lse=True, backend="reference",
             **{k: (v[b:b + 1] if k == "alibi_slopes" and v is not None and v.dim() == 2 else v)
                for k, v in options.items()})
@@ -36,13 +38,13 @@ def random_case(generator, dtype, len_q, len_new, capacity, batch=4):
     return lengths_before, query, new_k, new_v
 
 
-def check(actual, query, keys, values, lengths, **options):
+def check(actual, query, keys, values, lengths, starts=None, **options):
     """The project's criterion (fused_attn.testing) against the float64 and same-dtype definitions."""
     out, lse = actual
     dtype = query.dtype
     testing.assert_close_to_reference(testing.Results(out, lse),
-                                      expected_of(query, keys, values, lengths, torch.float64, **options),
-                                      expected_of(query, keys, values, lengths, dtype, **options), dtype)
+                                      expected_of(query, keys, values, lengths, torch.float64, starts, **options),
+                                      expected_of(query, keys, values, lengths, dtype, starts, **options), dtype)
 
 
 OPTIONS = {
@@ -244,3 +246,284 @@ def test_bad_arguments_are_named(change, error, message):
     query = arguments.pop("query")
     with pytest.raises(error, match=message):
         fused_attn.attention_with_kvcache(query, **arguments)
+
+
+# flash-attn's cache options: cache_batch_idx, cache_leftpad, rotary_cos/rotary_sin with rotary_interleaved.
+
+def rope(x, cos, sin, positions, interleaved):
+    """The rotary embedding by its definition, one pair of dimensions at a time: pair i of the first
+    2 · cos.shape[1] dimensions, (2i, 2i + 1) interleaved or (i, i + cos.shape[1]), turned by the
+    angle of row positions[b, l] of the tables; products in float32 (float64 for float64), rounded once."""
+    half = cos.shape[1]
+    compute = torch.promote_types(x.dtype, torch.float32)
+    out = x.clone()
+    for i in range(half):
+        first, second = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        c, s = cos[positions, i].to(compute)[:, None], sin[positions, i].to(compute)[:, None]  # (B, 1, L)
+        x1, x2 = x[..., first].to(compute), x[..., second].to(compute)
+        out[..., first] = (x1 * c - x2 * s).to(x.dtype)
+        out[..., second] = (x1 * s + x2 * c).to(x.dtype)
+    return out
+
+
+def test_rotary_turns_each_pair_by_its_angle(generator):
+    """fused_attn.rotary against complex multiplication: pair (x1, x2) is x1 + i·x2, times e^(i·angle)."""
+    from fused_attn import rotary
+
+    x = torch.randn(2, 3, 5, DIM, generator=generator, dtype=torch.float64)
+    angle = torch.rand(9, 6, generator=generator, dtype=torch.float64) * 6.3
+    positions = torch.randint(0, 9, (2, 5), generator=generator)
+    turn = torch.polar(torch.ones_like(angle), angle)[positions][:, None]  # (B, 1, L, 6)
+    for interleaved in (True, False):
+        pairs = x[..., :12].unflatten(-1, (6, 2)) if interleaved else x[..., :12].unflatten(-1, (2, 6)).transpose(-1, -2)
+        turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * turn)
+        turned = turned.flatten(-2) if interleaved else turned.transpose(-1, -2).flatten(-2)
+        expected = torch.cat([turned, x[..., 12:]], -1)
+        torch.testing.assert_close(rotary.rotate(x, angle.cos(), angle.sin(), positions, interleaved), expected,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def run_cache_options(generator, backend, dtype, *, len_q, len_new, batch=3, capacity=24, heads_kv=2,
+                      batch_idx=False, duplicate_rows=False, leftpad=False, rotary=None, rotary_dim=DIM,
+                      table_dtype=None, is_causal=True, window_size=None, softcap=None, alibi=False, sinks=False,
+                      block_size=None, return_lse=True, layouts=("heads_inner", "contiguous", "reversed")):
+    """One call with flash-attn's cache options, against the definition written out here: the cache rows
+    gathered, the rotary applied by `rope` at flash-attn's positions (new key i at cache_seqlens + i; query
+    i there too under a causal or windowed mask, else every query at cache_seqlens), the sequence's keys
+    cache_leftpad .. cache_seqlens + L_new attended bottom-right aligned. The whole cache after the append
+    is compared exactly: rows no sequence names are NaN, so reading them would show in the output, and
+    they must stay NaN."""
+    rows = batch + 2 if batch_idx else batch
+    in_order = is_causal or (window_size is not None and tuple(window_size) != (-1, -1))
+    reach = max(len_new, len_q if in_order else min(len_q, 1)) if rotary else len_new  # positions past the start
+    starts = torch.randint(0, capacity - reach + 1, (batch,), generator=generator, dtype=torch.int32)
+    starts[0] = capacity - reach  # a full cache
+    starts[1] = min(int(starts[1]), 2)  # a short one (maybe empty)
+    leftpads = (torch.rand(batch, generator=generator) * (starts + 1)).floor().int() if leftpad else None
+    if leftpad:
+        leftpads[1] = starts[1]  # nothing before the new keys
+    idx = torch.randperm(rows, generator=generator)[:batch].int()
+    if duplicate_rows:  # two sequences reading one row (allowed: nothing is appended), from one start
+        idx[2] = idx[0]
+        if leftpad:
+            leftpads[2] = leftpads[0]
+            starts[2] = max(int(starts[2]), int(leftpads[0]))
+    row_of = idx.long() if batch_idx else torch.arange(batch)
+
+    k_values = torch.randn(rows, heads_kv, capacity, DIM, generator=generator).to(dtype)
+    v_values = torch.randn(rows, heads_kv, capacity, DIM, generator=generator).to(dtype)
+    unnamed = torch.ones(rows, dtype=torch.bool)
+    unnamed[row_of] = False
+    k_values[unnamed], v_values[unnamed] = float("nan"), float("nan")
+    if leftpad:
+        # The keys before each start: NaN for the cpu kernels, which never load them; the triton kernels
+        # load the key tile holding a span's first key whole, so there they are large finite values, which
+        # would swamp the output if they were seen.
+        for b, pad in enumerate(leftpads.tolist()):
+            for values in (k_values, v_values):
+                values[row_of[b], :, :pad] = float("nan") if backend == "cpu" else \
+                    50 * torch.randn(heads_kv, pad, DIM, generator=generator).to(dtype)
+    query = testing.strided(torch.randn(batch, HEADS_Q, len_q, DIM, generator=generator).to(dtype), layouts[0])
+    k_cache, v_cache = testing.strided(k_values, layouts[1]), testing.strided(v_values, layouts[2])
+    new_k = torch.randn(batch, heads_kv, len_new, DIM, generator=generator).to(dtype)
+    new_v = torch.randn(batch, heads_kv, len_new, DIM, generator=generator).to(dtype)
+
+    cos = sin = None
+    q_seen, k_stored = query, new_k
+    if rotary:
+        table_length = int((starts + reach).max())  # exactly what the call reads
+        angle = torch.rand(table_length, rotary_dim // 2, generator=generator) * 2 * torch.pi
+        cos, sin = angle.cos().to(table_dtype or dtype), angle.sin().to(table_dtype or dtype)
+        key_positions = starts.long()[:, None] + torch.arange(len_new)
+        query_steps = torch.arange(len_q) if in_order else torch.zeros(len_q, dtype=torch.long)
+        k_stored = rope(new_k, cos, sin, key_positions, rotary == "interleaved")
+        q_seen = rope(query, cos, sin, starts.long()[:, None] + query_steps, rotary == "interleaved")
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for b, start in enumerate(starts.tolist()):
+        expected_k[row_of[b], :, start:start + len_new] = k_stored[b]
+        expected_v[row_of[b], :, start:start + len_new] = new_v[b]
+
+    slopes = torch.rand(batch, HEADS_Q, generator=generator) if alibi else None
+    sink_values = torch.randn(HEADS_Q, generator=generator) * 2 + 1 if sinks else None
+    options = dict(is_causal=is_causal, window_size=window_size, softcap=softcap, alibi_slopes=slopes,
+                   sinks=sink_values)
+    call = dict(cache_seqlens=starts, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary == "interleaved",
+                return_lse=return_lse, backend=backend, **options)
+    appended = (new_k, new_v) if len_new else (None, None)
+    if block_size is not None:
+        k_blocks, v_blocks, block_table = paged_copy(generator, k_cache, v_cache, block_size)
+        actual = fused_attn.attention_with_kvcache(query, k_blocks, v_blocks, *appended, block_table=block_table,
+                                                   **call)
+        k_cache, v_cache = (blocks[block_table.long()].flatten(1, 2).transpose(1, 2) for blocks in (k_blocks, v_blocks))
+    else:
+        actual = fused_attn.attention_with_kvcache(query, k_cache, v_cache, *appended,
+                                                   cache_batch_idx=idx if batch_idx else None,
+                                                   cache_leftpad=leftpads, **call)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+    check(actual if return_lse else (actual, None), q_seen, expected_k[row_of], expected_v[row_of],
+          starts + len_new, leftpads, **options)
+
+
+CACHE_OPTION_CASES = {
+    "rows_leftpad_rotary_causal": dict(len_q=3, len_new=3, batch_idx=True, leftpad=True, rotary="interleaved"),
+    "rows_rotary_halves_not_causal_sinks_softcap_mqa": dict(len_q=2, len_new=2, batch_idx=True, rotary="halves",
+                                                            is_causal=False, sinks=True, softcap=3.0, heads_kv=1),
+    # Queries rotated at cache_seqlens + i while they attend from cache_seqlens + L_new - L_q + i.
+    "leftpad_causal_window_alibi_partial_rotary_mha": dict(len_q=3, len_new=1, leftpad=True, rotary="halves",
+                                                           rotary_dim=8, is_causal=False, window_size=(6, 0),
+                                                           alibi=True, heads_kv=4),
+    "shared_rows_leftpad_window_no_append": dict(len_q=2, len_new=0, batch_idx=True, duplicate_rows=True,
+                                                 leftpad=True, is_causal=False, window_size=(4, 2), softcap=2.0),
+    "decode_rows_leftpad_rotary_alibi_sinks_fp32_tables": dict(len_q=1, len_new=1, batch_idx=True, leftpad=True,
+                                                               rotary="interleaved", alibi=True, sinks=True,
+                                                               table_dtype=torch.float32),
+    "rotary_window_not_causal_no_lse": dict(len_q=3, len_new=2, rotary="interleaved", is_causal=False,
+                                            window_size=(5, 1), heads_kv=1, return_lse=False),
+    "paged_rotary_alibi_sinks_softcap": dict(len_q=4, len_new=4, block_size=4, rotary="halves", rotary_dim=12,
+                                             alibi=True, sinks=True, softcap=4.0),
+    "paged_decode_rotary_window": dict(len_q=1, len_new=1, block_size=3, rotary="interleaved", window_size=(7, -1)),
+}
+
+
+# The large keys before a start overflow the exp of the triton kernels' softcap (a sigmoid) in the interpreter's
+# numpy, which warns; the capped score is right (the sigmoid's limit), and the key is hidden anyway.
+OVERFLOW_IN_INTERPRETER = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+@OVERFLOW_IN_INTERPRETER
+@pytest.mark.parametrize("backend, dtype", [("cpu", torch.float32), ("cpu", torch.bfloat16),
+                                            ("reference", torch.float32), ("triton", torch.float32)], ids=str)
+@pytest.mark.parametrize("name", list(CACHE_OPTION_CASES))
+def test_cache_options_give_the_definition(generator, backend, dtype, name):
+    if (reason := fused_attn.available_backends()[backend]) is not None:
+        pytest.skip(reason)
+    run_cache_options(generator, backend, dtype, **CACHE_OPTION_CASES[name])
+
+
+def drawn_cache_options(generator) -> dict:
+    """Every option drawn at once, within what the call takes (no cache_batch_idx or cache_leftpad with a
+    paged cache, no rotary without new keys, ALiBi with several queries only where none sees a key after it)."""
+    def pick(choices):
+        return choices[int(torch.randint(len(choices), (1,), generator=generator))]
+
+    len_q = pick([1, 1, 2, 3, 5])
+    len_new = pick(list(range(len_q + 1)))
+    paged = pick([False, False, False, True])
+    batch_idx, leftpad = (False, False) if paged else (pick([False, True]), pick([False, True]))
+    is_causal = pick([False, True])
+    window_size = pick([None, (pick([0, 3, 7]), -1), (pick([0, 3, 7]), 0), (pick([2, 7]), pick([1, 2])),
+                        (-1, pick([0, 2]))])
+    causal_band = is_causal or (window_size is not None and window_size[1] == 0)
+    return dict(len_q=len_q, len_new=len_new, heads_kv=pick([1, 2, 4]), batch_idx=batch_idx, leftpad=leftpad,
+                duplicate_rows=batch_idx and len_new == 0 and pick([False, True]),
+                rotary=pick([None, "interleaved", "halves"]) if len_new else None,
+                rotary_dim=pick([2, 8, 10, DIM]), table_dtype=pick([None, torch.float32]), is_causal=is_causal,
+                window_size=window_size, softcap=pick([None, 2.5]),
+                alibi=(len_q == 1 or causal_band) and pick([False, True]), sinks=pick([False, True]),
+                block_size=pick([1, 3, 8]) if paged else None, return_lse=pick([True, True, False]),
+                layouts=tuple(pick(testing.LAYOUTS) for _ in range(3)))
+
+
+@OVERFLOW_IN_INTERPRETER
+@pytest.mark.parametrize("backend, dtype, seeds", [("cpu", torch.float32, 24), ("cpu", torch.bfloat16, 12),
+                                                   ("reference", torch.float32, 8), ("triton", torch.float32, 6)],
+                         ids=str)
+def test_cache_options_drawn_together(backend, dtype, seeds):
+    if (reason := fused_attn.available_backends()[backend]) is not None:
+        pytest.skip(reason)
+    for seed in range(seeds):
+        generator = torch.Generator().manual_seed(0xCAC4E + seed)
+        options = drawn_cache_options(generator)
+        try:
+            run_cache_options(generator, backend, dtype, **options)
+        except AssertionError as error:
+            raise AssertionError(f"seed {seed}, {options}: {error}") from error
+
+
+@pytest.mark.parametrize("is_causal, window_size, len_q, len_new, reach", [
+    (True, None, 3, 1, 3),  # causal: the queries' positions run to cache_seqlens + L_q - 1
+    (False, (-1, 1), 3, 1, 3),  # a window: the same
+    (False, None, 3, 1, 1),  # neither: every query at cache_seqlens
+    (False, None, 1, 4, 4),  # the new keys reach further
+])
+def test_rotary_table_must_cover_every_position_read(generator, is_causal, window_size, len_q, len_new, reach):
+    """A table exactly as long as the positions read runs; one position shorter is refused, cache untouched."""
+    lengths_before, query, new_k, new_v = random_case(generator, torch.float32, len_q, len_new, 30, batch=3)
+    lengths_before[:] = torch.tensor([5, 11, 2], dtype=torch.int32)
+    k_cache = torch.randn(3, HEADS_KV, 30, DIM, generator=generator)
+    v_cache = torch.randn(3, HEADS_KV, 30, DIM, generator=generator)
+    angle = torch.rand(11 + reach, DIM // 2, generator=generator)
+    options = dict(cache_seqlens=lengths_before, is_causal=is_causal, window_size=window_size, backend="cpu")
+    before = k_cache.clone(), v_cache.clone()
+    with pytest.raises(ValueError, match="rotary_cos"):
+        fused_attn.attention_with_kvcache(query, k_cache, v_cache, new_k, new_v, rotary_cos=angle[:-1].cos(),
+                                          rotary_sin=angle[:-1].sin(), **options)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    fused_attn.attention_with_kvcache(query, k_cache, v_cache, new_k, new_v, rotary_cos=angle.cos(),
+                                      rotary_sin=angle.sin(), **options)
+
+
+def cache_option_arguments(generator):
+    """A valid call with every cache option: B = 3 sequences in rows (4, 0, 2) of a 5-row cache."""
+    cos, sin = torch.rand(24, DIM // 2, generator=generator).cos(), torch.rand(24, DIM // 2, generator=generator).sin()
+    return dict(query=torch.randn(3, HEADS_Q, 2, DIM, generator=generator),
+                k_cache=torch.randn(5, HEADS_KV, 24, DIM, generator=generator),
+                v_cache=torch.randn(5, HEADS_KV, 24, DIM, generator=generator),
+                key=torch.randn(3, HEADS_KV, 2, DIM, generator=generator),
+                value=torch.randn(3, HEADS_KV, 2, DIM, generator=generator),
+                cache_seqlens=torch.tensor([3, 0, 10], dtype=torch.int32),
+                cache_batch_idx=torch.tensor([4, 0, 2], dtype=torch.int32),
+                cache_leftpad=torch.tensor([1, 0, 4], dtype=torch.int32), rotary_cos=cos, rotary_sin=sin)
+
+
+def int32(*values, device="cpu"):
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(cache_batch_idx=torch.tensor([4, 0, 2])), ValueError, "cache_batch_idx"),
+    (dict(cache_batch_idx=int32(4, 0)), ValueError, "cache_batch_idx"),
+    (dict(cache_batch_idx=int32(4, 0, 2, device="meta")), ValueError, "cache_batch_idx"),
+    (dict(cache_batch_idx=int32(4, 0, 5)), ValueError, "cache_batch_idx"),
+    (dict(cache_batch_idx=int32(4, -1, 2)), ValueError, "cache_batch_idx"),
+    (dict(cache_batch_idx=int32(4, 0, 4)), ValueError, "cache_batch_idx"),  # two appends to one row
+    (dict(block_table=int32(0, 1, 2).view(3, 1)), ValueError, "cache_batch_idx"),
+    (dict(cache_leftpad=torch.tensor([1, 0, 4])), ValueError, "cache_leftpad"),
+    (dict(cache_leftpad=int32(1, 0, 4, 0)), ValueError, "cache_leftpad"),
+    (dict(cache_leftpad=int32(1, 0, 4, device="meta")), ValueError, "cache_leftpad"),
+    (dict(cache_leftpad=int32(4, 0, 4)), ValueError, "cache_leftpad"),  # past its sequence's end (3)
+    (dict(cache_leftpad=int32(1, -1, 4)), ValueError, "cache_leftpad"),
+    (dict(cache_batch_idx=None, block_table=int32(0, 1, 2).view(3, 1)), ValueError, "cache_leftpad"),
+    (dict(rotary_sin=None), ValueError, "rotary_sin"),
+    (dict(rotary_cos=None), ValueError, "rotary_cos"),
+    (dict(rotary_sin=torch.zeros(24, DIM // 2 - 1)), ValueError, "rotary_sin"),
+    (dict(rotary_cos=torch.zeros(24 * DIM // 2), rotary_sin=torch.zeros(24 * DIM // 2)), ValueError, "rotary_cos"),
+    (dict(rotary_cos=torch.zeros(24, DIM // 2 + 1), rotary_sin=torch.zeros(24, DIM // 2 + 1)), ValueError,
+     "rotary_cos"),  # rotary_dim past the head dim
+    (dict(rotary_cos=torch.zeros(24, 4, dtype=torch.float64), rotary_sin=torch.zeros(24, 4, dtype=torch.float64)),
+     TypeError, "rotary_cos"),
+    (dict(rotary_sin=torch.zeros(24, DIM // 2, dtype=torch.int32)), TypeError, "rotary_sin"),
+    (dict(rotary_cos=torch.zeros(24, 4, device="meta"), rotary_sin=torch.zeros(24, 4, device="meta")), ValueError,
+     "rotary_cos"),
+    (dict(rotary_cos=torch.zeros(11, 4), rotary_sin=torch.zeros(11, 4)), ValueError, "rotary_cos"),  # 10 + 2 > 11
+    (dict(key=None, value=None), ValueError, "rotary_cos"),  # nothing to turn
+    (dict(cache_batch_idx=None), ValueError, "k_cache"),  # 5 rows for 3 sequences, none named
+    (dict(is_causal=False, alibi_slopes=torch.ones(HEADS_Q)), ValueError, "alibi_slopes"),
+    # The checks of the attention itself come before the append too.
+    (dict(scale="x"), TypeError, "scale"),
+    (dict(query=torch.zeros(3, 3, 2, DIM)), ValueError, "k_cache"),
+    (dict(backend="nope"), ValueError, "backend"),
+])
+def test_bad_cache_options_are_named_and_leave_the_cache(generator, change, error, message):
+    arguments = cache_option_arguments(generator)
+    arguments.update(change)
+    query = arguments.pop("query")
+    caches = arguments["k_cache"], arguments["v_cache"]
+    before = [cache.clone() for cache in caches]
+    for backend in ("cpu", "reference"):
+        with pytest.raises(error, match=message):
+            fused_attn.attention_with_kvcache(query, **{"backend": backend, **arguments})
+        assert all(torch.equal(cache, kept) for cache, kept in zip(caches, before))
+    valid = cache_option_arguments(generator)
+    fused_attn.attention_with_kvcache(valid.pop("query"), **valid, backend="cpu")
