@@ -30,9 +30,12 @@ sink (the sinks' own gradient is fused_attn.scores.sink_gradient, in Python).
 A mask program (fused_attn.masks; HAS_PROGRAM, the long-query kernels) says per tile of TILE × TILE
 (query rows × keys) whether it is empty, full or partial (csrc/block_mask.h). A block of the kernels lies
 inside one tile (BLOCK_M and BLOCK_N are powers of two up to TILE, and every loop visits blocks that start
-at multiples of their size), so one load of the tile's state (`_program_tile`) decides the block: an empty
-tile is skipped whole (no K/V loads, no products), a full one costs nothing per score, and only a partial
-one reads its bits (`_program_visible`). What the program hides adds to the band, masks and padding.
+at multiples of their size). With a program, the key loop (dK/dV: the query loop) runs over the tiles of
+the block's row (column) of the program, one load of a tile's state (`_program_tile`) deciding it: an empty
+tile is skipped whole (no K/V loads, no products); the blocks of the others run in an inner loop with no
+branch around its loads, so that Triton still pipelines them (a branch there would keep them out of the
+multi-buffered pipeline); a full tile costs nothing per score, and only a partial one reads its bits
+(`_program_visible`). What the program hides adds to the band, masks and padding.
 
 Every tensor is read and written through its own strides: the slices of a packed projection, permuted
 views, a mask viewed as (B, H_q, L_q, L_k) with stride-0 broadcast dimensions, the output written into
@@ -188,14 +191,10 @@ def _in_band(q_idx, k_idx, DIAG, LEFT, RIGHT):
 
 
 @triton.jit
-def _program_tile(TILES, q_first, k_first, stride_tilem, stride_tilen, HAS_PROGRAM: tl.constexpr):
+def _program_tile(TILES, q_first, k_first, stride_tilem, stride_tilen):
     """The mask program's state of the tile holding query q_first and key k_first (TILES: the states of
-    one batch row and query head, (NQ, NK) with these strides); FULL without a program, which skips
-    nothing and reads nothing."""
-    state = PROGRAM_FULL
-    if HAS_PROGRAM:
-        state = tl.load(TILES + (q_first // PROGRAM_TILE) * stride_tilem + (k_first // PROGRAM_TILE) * stride_tilen)
-    return state
+    one batch row and query head, (NQ, NK) with these strides)."""
+    return tl.load(TILES + (q_first // PROGRAM_TILE) * stride_tilem + (k_first // PROGRAM_TILE) * stride_tilen)
 
 
 @triton.jit
@@ -227,6 +226,27 @@ def _program_visible(visible, BITS, state, q_idx, start_n, BLOCK_N: tl.constexpr
                 sees = tl.trans(sees)
             visible = visible & sees
     return visible
+
+
+@triton.jit
+def _masked(s, visible, q_idx, k_idx, q_rows, mask_base, mask_offs, stride_mask, DIAG, LEFT, RIGHT, BITS, state,
+            start_n, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, BANDED: tl.constexpr, HAS_PROGRAM: tl.constexpr,
+            KEYS_FIRST: tl.constexpr):
+    """(s, visible) of a tile once the band, the mask program and a boolean mask have hidden their keys from
+    `visible`, and an additive mask is added to the base-2 scores `s`. `q_idx` and `k_idx` broadcast to the
+    tile ([rows, keys]; KEYS_FIRST: [keys, rows], the dK/dV kernel's), `q_rows` are the query indices
+    [rows, 1] of the program's bits (`_program_visible`); the mask's elements are at mask_base [tile rows, 1]
+    plus the int64 indices mask_offs of the tile's columns times stride_mask."""
+    if BANDED:
+        visible = visible & _in_band(q_idx, k_idx, DIAG, LEFT, RIGHT)
+    visible = _program_visible(visible, BITS, state, q_rows, start_n, BLOCK_N, HAS_PROGRAM, KEYS_FIRST)
+    if MASK_KIND == 1:
+        attend = tl.load(mask_base + mask_offs[None, :] * stride_mask, mask=visible, other=0)
+        visible = visible & (attend != 0)
+    if MASK_KIND == 2:
+        bias = tl.load(mask_base + mask_offs[None, :] * stride_mask, mask=visible, other=0.0)
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    return s, visible
 
 
 @triton.jit
@@ -268,16 +288,9 @@ def _visible_scores(q, k_t, q_idx, offs_n, row_ok, col_ok, mask_base, stride_mn,
     # Scores in base-2 units: exp2(s * scale * log2(e)) = exp(s * scale).
     s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
     s, cap_grad = _variant_scores(s, q_idx, offs_n[None, :], slope2, softcap2, DIAG, SOFTCAP, HAS_ALIBI)
-    visible = col_ok[None, :] & row_ok[:, None]
-    if BANDED:
-        visible = visible & _in_band(q_idx, offs_n[None, :], DIAG, LEFT, RIGHT)
-    visible = _program_visible(visible, BITS, state, q_idx, start_n, offs_n.shape[0], HAS_PROGRAM, False)
-    if MASK_KIND == 1:
-        attend = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0)
-        visible = visible & (attend != 0)
-    if MASK_KIND == 2:
-        bias = tl.load(mask_base + offs_n64[None, :] * stride_mn, mask=visible, other=0.0)
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+    s, visible = _masked(s, col_ok[None, :] & row_ok[:, None], q_idx, offs_n[None, :], q_idx, mask_base, offs_n64,
+                         stride_mn, DIAG, LEFT, RIGHT, BITS, state, start_n, offs_n.shape[0], MASK_KIND, BANDED,
+                         HAS_PROGRAM, False)
     if HAS_KPM:
         padded = tl.load(kpm_base + offs_n64 * stride_pn, mask=col_ok, other=1)
         visible = visible & (padded == 0)[None, :]
@@ -307,6 +320,39 @@ def _fold_sink(m_i, l_i, sink2):
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     return alpha, m_new, l_i * alpha + tl.exp2(sink2 - m_safe)
+
+
+@triton.jit
+def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok,
+                   mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb,
+                   stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, qk_scale, drop_threshold,
+                   slope2, softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr,
+                   MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, HAS_PROGRAM: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The forward's key blocks lo, lo + BLOCK_N, .. below hi (lo a multiple of BLOCK_N), all in the mask
+    program's tile `state` (PROGRAM_FULL without a program): the row max, row sum and accumulator after them."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < L_K
+        k_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
+        v_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
+        k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
+                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
+                               stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n,
+                               MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION)
+        p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
+        if HAS_DROPOUT:
+            # The sum above is of the undropped weights; the kept ones are scaled at the end.
+            bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
+            p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -376,30 +422,30 @@ def _attn_fwd(
         lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
     if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
         hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
-    tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
-    for start_n in range(lo, hi, BLOCK_N):
-        # The key range starts on a multiple of BLOCK_N: the block lies inside one tile of the program.
-        state = _program_tile(tiles_base, pid_m * BLOCK_M, start_n, stride_tilem, stride_tilen, HAS_PROGRAM)
-        if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            col_ok = offs_n < L_K
-            k_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
-            v_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
-            k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
-                          mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-            s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
-                                   stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n,
-                                   MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION)
-            p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
-            if HAS_DROPOUT:
-                # The sum above is of the undropped weights; the kept ones are scaled at the end.
-                bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
-                p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
-            v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
-                        mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-            m_i = m_new
+    if HAS_PROGRAM:
+        # One scalar test per tile of the program the key range meets skips an empty one; the blocks of the
+        # others run in a loop of their own with no branch around their loads, since Triton pipelines the
+        # loads of a loop (multi-buffers K and V) only outside any branch. The blocks visited, and their
+        # order, are those of one loop over lo .. hi (the same sums, the same dropout bits); each lies inside
+        # one tile (BLOCK_N divides TILE, `_fits_program`).
+        tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
+        for tile_n in range(lo // PROGRAM_TILE * PROGRAM_TILE, hi, PROGRAM_TILE):
+            state = _program_tile(tiles_base, pid_m * BLOCK_M, tile_n, stride_tilem, stride_tilen)
+            if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
+                m_i, l_i, acc = _attn_fwd_keys(
+                    m_i, l_i, acc, tl.maximum(lo, tile_n), tl.minimum(hi, tile_n + PROGRAM_TILE), state, q, k_base,
+                    v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh,
+                    drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb,
+                    PAGE_SIZE, stride_mn, stride_pn, L_K, qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT,
+                    RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED, HAS_PROGRAM,
+                    PRECISION, BLOCK_N)
+    else:
+        m_i, l_i, acc = _attn_fwd_keys(
+            m_i, l_i, acc, lo, hi, PROGRAM_FULL, q, k_base, v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok,
+            mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb,
+            stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, qk_scale, drop_threshold, slope2,
+            softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED,
+            HAS_PROGRAM, PRECISION, BLOCK_N)
 
     if HAS_SINKS:  # the head's sink joins each row's softmax here, once (fused_attn.scores)
         sink = tl.load(SINKS + off_h)
@@ -460,6 +506,60 @@ def _attn_bwd_preprocess(
                            mask=row_ok, other=0.0)
         delta = delta - grad_lse.to(tl.float32)
     tl.store(DELTA + off_b * stride_db + off_h * stride_dh + offs_m64, delta, mask=row_ok)
+
+
+@triton.jit
+def _attn_dkdv_queries(dk, dv, lo, hi, state, k, v, key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h,
+                       q_base, do_base, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd,
+                       stride_gm, stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q,
+                       L_Q, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, start_n,
+                       D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr, BANDED: tl.constexpr,
+                       HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
+                       HAS_PROGRAM: tl.constexpr, HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK (unscaled) and dV after the query blocks lo, lo + BLOCK_M, .. below hi of one query head against
+    the key block start_n .. (transposed tiles, keys along rows), all in the mask program's tile `state`
+    (PROGRAM_FULL without a program); dS of each element written where HAS_MASK_GRAD."""
+    offs_n64 = offs_n.to(tl.int64)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_m64 = offs_m.to(tl.int64)
+        row_ok = offs_m < L_Q
+        q_t = tl.load(q_base + offs_m64[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
+                      mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        lse = tl.load(lse_base + offs_m64 * stride_lm, mask=row_ok, other=0.0)
+        # Rows that see no key have lse -inf and all p 0; 0 keeps exp2 finite for them.
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+        delta = tl.load(delta_base + offs_m64, mask=row_ok, other=0.0)
+
+        s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
+        s_t, cap_grad_t = _variant_scores(s_t, offs_m[None, :], offs_n[:, None], slope2, softcap2, DIAG,
+                                          SOFTCAP, HAS_ALIBI)
+        s_t, visible = _masked(s_t, key_visible[:, None] & row_ok[None, :], offs_m[None, :], offs_n[:, None],
+                               offs_m[:, None], mask_base, offs_m64, stride_mm, DIAG, LEFT, RIGHT, BITS, state,
+                               start_n, BLOCK_N, MASK_KIND, BANDED, HAS_PROGRAM, True)
+        p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if HAS_DROPOUT:
+            # dV takes the dropped weights (scaled at the end); dS = P (Z dP / (1 - p) - delta).
+            drop_bh, drop_sequence = _dropout_stream(off_b, off_h, H_Q, VARLEN)
+            bits_t = tl.trans(_dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N))
+            keep_t = bits_t.to(tl.int64) >= drop_threshold
+            dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
+            dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_MASK_GRAD:  # each element once: this program owns these keys of this head
+            tl.store(DMASK + off_b * stride_dmb + off_h * stride_dmh + offs_m64[None, :] * stride_dmm
+                     + offs_n64[:, None] * stride_dmn, ds_t.to(DMASK.dtype.element_ty),
+                     mask=row_ok[None, :] & col_ok[:, None])
+        if SOFTCAP:  # the mask's gradient is of the capped score; q and k take the cap's derivative
+            ds_t = ds_t * cap_grad_t
+        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -545,56 +645,27 @@ def _attn_bwd_dkdv(
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_db + off_h * stride_dh
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_n64[:, None] * stride_mn
-        tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
-        for start_m in range(lo, hi, BLOCK_M):
-            # The query range starts on a multiple of BLOCK_M: the block lies inside one tile of the program.
-            state = _program_tile(tiles_base, start_m, pid_n * BLOCK_N, stride_tilem, stride_tilen, HAS_PROGRAM)
-            if state != PROGRAM_EMPTY:  # an empty tile: none of its queries is read, its dS is never written
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                offs_m64 = offs_m.to(tl.int64)
-                row_ok = offs_m < L_Q
-                q_t = tl.load(q_base + offs_m64[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
-                              mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-                do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
-                             mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
-                lse = tl.load(lse_base + offs_m64 * stride_lm, mask=row_ok, other=0.0)
-                # Rows that see no key have lse -inf and all p 0; 0 keeps exp2 finite for them.
-                lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-                delta = tl.load(delta_base + offs_m64, mask=row_ok, other=0.0)
-
-                s_t = tl.dot(k, q_t, input_precision=PRECISION) * qk_scale
-                s_t, cap_grad_t = _variant_scores(s_t, offs_m[None, :], offs_n[:, None], slope2, softcap2, DIAG,
-                                                  SOFTCAP, HAS_ALIBI)
-                visible = key_visible[:, None] & row_ok[None, :]
-                if BANDED:
-                    visible = visible & _in_band(offs_m[None, :], offs_n[:, None], DIAG, LEFT, RIGHT)
-                visible = _program_visible(visible, BITS, state, offs_m[:, None], pid_n * BLOCK_N, BLOCK_N,
-                                           HAS_PROGRAM, True)
-                if MASK_KIND == 1:
-                    attend = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0)
-                    visible = visible & (attend != 0)
-                if MASK_KIND == 2:
-                    bias = tl.load(mask_base + offs_m64[None, :] * stride_mm, mask=visible, other=0.0)
-                    s_t = s_t + bias.to(tl.float32) * 1.4426950408889634
-                p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
-                dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-                if HAS_DROPOUT:
-                    # dV takes the dropped weights (scaled at the end); dS = P (Z dP / (1 - p) - delta).
-                    drop_bh, drop_sequence = _dropout_stream(off_b, off_h, H_Q, VARLEN)
-                    bits_t = tl.trans(_dropout_bits(RNG, drop_bh, drop_sequence, offs_m, pid_n * BLOCK_N, BLOCK_N))
-                    keep_t = bits_t.to(tl.int64) >= drop_threshold
-                    dv = tl.dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, input_precision=PRECISION)
-                    dp_t = tl.where(keep_t, dp_t * keep_scale, 0.0)
-                else:
-                    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-                ds_t = p_t * (dp_t - delta[None, :])
-                if HAS_MASK_GRAD:  # each element once: this program owns these keys of this head
-                    tl.store(DMASK + off_b * stride_dmb + off_h * stride_dmh + offs_m64[None, :] * stride_dmm
-                             + offs_n64[:, None] * stride_dmn, ds_t.to(DMASK.dtype.element_ty),
-                             mask=row_ok[None, :] & col_ok[:, None])
-                if SOFTCAP:  # the mask's gradient is of the capped score; q and k take the cap's derivative
-                    ds_t = ds_t * cap_grad_t
-                dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
+        if HAS_PROGRAM:  # as in the forward, along the queries: empty tiles skipped, branch-free blocks inside
+            tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
+            for tile_m in range(lo // PROGRAM_TILE * PROGRAM_TILE, hi, PROGRAM_TILE):
+                state = _program_tile(tiles_base, tile_m, pid_n * BLOCK_N, stride_tilem, stride_tilen)
+                if state != PROGRAM_EMPTY:  # an empty tile: none of its queries is read, its dS is never written
+                    dk, dv = _attn_dkdv_queries(
+                        dk, dv, tl.maximum(lo, tile_m), tl.minimum(hi, tile_m + PROGRAM_TILE), state, k, v,
+                        key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h, q_base, do_base, lse_base,
+                        delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
+                        stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q, qk_scale, drop_threshold,
+                        keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N, D_QK, D_V, MASK_KIND,
+                        BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD, PRECISION,
+                        BLOCK_M, BLOCK_N)
+        else:
+            dk, dv = _attn_dkdv_queries(
+                dk, dv, lo, hi, PROGRAM_FULL, k, v, key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h, q_base,
+                do_base, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd, stride_gm, stride_gd,
+                stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q, qk_scale,
+                drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N, D_QK, D_V, MASK_KIND,
+                BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD, PRECISION, BLOCK_M,
+                BLOCK_N)
 
     dk = dk * sm_scale
     if HAS_DROPOUT:
@@ -605,6 +676,39 @@ def _attn_bwd_dkdv(
     tl.store(DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n64[:, None] * stride_dvn
              + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _attn_dq_keys(dq, lo, hi, state, q, do, lse2, delta, k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base,
+                  kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn,
+                  stride_pn, L_K, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT,
+                  D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+                  BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                  HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ (unscaled) after the key blocks lo, lo + BLOCK_N, .. below hi, all in the mask program's tile
+    `state` (PROGRAM_FULL without a program)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n64 = offs_n.to(tl.int64)
+        col_ok = offs_n < L_K
+        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                      mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+        s, cap_grad = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
+                                      kpm_base, stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS,
+                                      state, start_n, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI,
+                                      HAS_PROGRAM, PRECISION)
+        p = tl.exp2(s - lse2[:, None])  # 0 where hidden (s = -inf; lse2 is finite)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        if HAS_DROPOUT:
+            bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
+            dp = tl.where(bits.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * cap_grad
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit
@@ -676,31 +780,23 @@ def _attn_bwd_dq(
         lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
     if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
         hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
-    tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
-    for start_n in range(lo, hi, BLOCK_N):
-        # As in the forward: the block lies inside one tile of the program.
-        state = _program_tile(tiles_base, pid_m * BLOCK_M, start_n, stride_tilem, stride_tilen, HAS_PROGRAM)
-        if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            offs_n64 = offs_n.to(tl.int64)
-            col_ok = offs_n < L_K
-            k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                          mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-            v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                          mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
-            s, cap_grad = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
-                                          kpm_base, stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS,
-                                          state, start_n, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI,
-                                          HAS_PROGRAM, PRECISION)
-            p = tl.exp2(s - lse2[:, None])  # 0 where hidden (s = -inf; lse2 is finite)
-            dp = tl.dot(do, v_t, input_precision=PRECISION)
-            if HAS_DROPOUT:
-                bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
-                dp = tl.where(bits.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
-            ds = p * (dp - delta[:, None])
-            if SOFTCAP:
-                ds = ds * cap_grad
-            dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+    if HAS_PROGRAM:  # as in the forward: empty tiles skipped by a scalar test, branch-free blocks inside
+        tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
+        for tile_n in range(lo // PROGRAM_TILE * PROGRAM_TILE, hi, PROGRAM_TILE):
+            state = _program_tile(tiles_base, pid_m * BLOCK_M, tile_n, stride_tilem, stride_tilen)
+            if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
+                dq = _attn_dq_keys(
+                    dq, tl.maximum(lo, tile_n), tl.minimum(hi, tile_n + PROGRAM_TILE), state, q, do, lse2, delta,
+                    k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh,
+                    drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_pn, L_K,
+                    qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND,
+                    HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION, BLOCK_N)
+    else:
+        dq = _attn_dq_keys(
+            dq, lo, hi, PROGRAM_FULL, q, do, lse2, delta, k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base,
+            kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn,
+            stride_pn, L_K, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK, D_V,
+            MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION, BLOCK_N)
 
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m64[:, None] * stride_dqm
@@ -805,15 +901,20 @@ _PACKED_DROPOUT_DEFAULTS = {
 }
 
 
-# fp16/bf16 tiles for launches with a mask program (HAS_PROGRAM) where the default spills registers: the
-# branch that skips an empty tile's block keeps the loop's loads out of the software pipeline, so the
-# streamed tiles (K and V; Q and dO in dK/dV) reach shared memory through registers, beside a partial
-# tile's bits. Chosen by compiling candidates for their target on Triton 3.9 (bench/triton_report.py),
-# without and with dropout: no spills, tensor-core instructions kept. Keyed (kernel, arch, head dim of
-# the table).
+# fp16/bf16 tiles for launches with a mask program (HAS_PROGRAM) where the default spills registers: a
+# partial tile's bits and the loop over a row's tiles stay live beside the pipelined loads (and, with dropout,
+# the random bits). Chosen by compiling candidates for their target on Triton 3.9 (bench/triton_report.py): no
+# spills, tensor-core instructions kept. Keyed (kernel, arch, head dim of the table, dropout).
 _PROGRAM_DEFAULTS = {
-    ("fwd", "sm_90", 64): _K(128, 64, 8, 3),  # the table's (128, 64, 4, 3) spills
-    ("bwd_dq", "sm_80", 128): _K(32, 64, 8, 2),  # the table's (64, 64, 8, 2) spills, (64, 32, 8, 2) too
+    ("fwd", "sm_80", 64, True): _K(128, 32, 8, 3),  # the table's (128, 64, 8, 3) spills
+    ("fwd", "sm_80", 128, True): _K(128, 16, 8, 3),  # the table's (128, 32, 8, 3) spills, (64, 32, 4, 3) too
+    ("fwd", "sm_90", 64, False): _K(128, 64, 8, 3),  # the table's (128, 64, 4, 3) spills
+    ("fwd", "sm_90", 64, True): _K(128, 32, 8, 3),  # the dropout table's (128, 32, 4, 3) spills
+    ("fwd", "sm_90", 128, True): _K(128, 32, 8, 3),  # the table's (128, 64, 8, 3) spills, (64, 64, 4, 3) too
+    ("bwd_dkdv", "sm_90", 128, False): _K(32, 64, 8, 2),  # the table's (32, 64, 4, 2) spills
+    ("bwd_dq", "sm_80", 128, False): _K(32, 64, 8, 2),
+    ("bwd_dq", "sm_80", 128, True): _K(32, 64, 8, 2),  # the table's (64, 64, 8, 2) spills
+    ("bwd_dq", "sm_90", 64, True): _K(64, 64, 8, 2),  # the table's (64, 64, 4, 2) spills
 }
 
 
@@ -824,8 +925,10 @@ def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
     batches with dropout have tiles of their own)."""
     table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
     dim = min(dim for dim in table if dim >= head_dim)
-    if constexprs and constexprs.get("HAS_PROGRAM") and element_size == 2 and (kernel, arch, dim) in _PROGRAM_DEFAULTS:
-        return _PROGRAM_DEFAULTS[(kernel, arch, dim)]
+    if constexprs and constexprs.get("HAS_PROGRAM") and element_size == 2:
+        key = (kernel, arch, dim, bool(constexprs.get("HAS_DROPOUT")))
+        if key in _PROGRAM_DEFAULTS:
+            return _PROGRAM_DEFAULTS[key]
     if constexprs and constexprs.get("HAS_DROPOUT") and element_size == 2:
         if constexprs.get("VARLEN") and (kernel, arch, dim) in _PACKED_DROPOUT_DEFAULTS:
             return _PACKED_DROPOUT_DEFAULTS[(kernel, arch, dim)]
