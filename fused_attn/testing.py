@@ -595,25 +595,28 @@ def run_backend(backend, inputs: Inputs, out_layout: str | None = None) -> Resul
     return Results(out, lse, dq, dk, dv, grad_mask, grad_sinks)
 
 
-def check_padding_is_not_read(backend, dtype: torch.dtype, generator, margin: int = 0,
-                              device="cpu") -> dict[str, tuple[float, float]]:
+def check_padding_is_not_read(backend, dtype: torch.dtype, generator, margin: int = 0, device="cpu",
+                              poison: float = float("nan"), len_q: int = 19,
+                              len_k: int | None = None) -> dict[str, tuple[float, float]]:
     """Keys that a batch row's padding leaves outside its span of unpadded keys, further than `margin`
-    from it, are never read by `backend` (Backend.forward / backward): K and V poisoned with NaN there
-    give the results of clean ones. Row 0 is left-padded, row 1 right-padded. `margin` allows for
-    kernels that read whole key blocks at the span's edges (masking the padded keys of those)."""
-    len_k = 2 * margin + 60
-    case = Case(batch=2, heads_q=2, heads_kv=1, len_q=19, len_k=len_k, dim_qk=16, key_padding=True)
+    from it, are never read by `backend` (Backend.forward / backward): K and V poisoned with `poison`
+    (NaN, inf or -inf) there give the results of clean ones. Row 0 is left-padded, row 1 right-padded,
+    row 2 both, so each span starts and ends inside a key block of the kernels. `margin` allows for
+    kernels that read whole key blocks at the span's edges (masking the padded keys of those); len_k
+    defaults to 2 * margin + 60."""
+    len_k = 2 * margin + 60 if len_k is None else len_k
+    case = Case(batch=3, heads_q=2, heads_kv=1, len_q=len_q, len_k=len_k, dim_qk=16, key_padding=True)
     inputs = random_inputs(case, dtype, 0, generator, device)
     first, end = margin + 13, len_k - margin - 11
-    padding = torch.zeros(2, len_k, dtype=torch.bool)
-    padding[0, :first] = True
-    padding[1, end:] = True
+    padding = torch.zeros(3, len_k, dtype=torch.bool)
+    padding[[0, 2], :first] = True
+    padding[[1, 2], end:] = True
     inputs = dataclasses.replace(inputs, key_padding_mask=padding.to(device))
     expected = reference_for(inputs, torch.float64), reference_for(inputs, dtype)
     with torch.no_grad():
         for tensor in (inputs.key, inputs.value):
-            tensor[0, :, :first - margin] = float("nan")
-            tensor[1, :, end + margin:] = float("nan")
+            tensor[[0, 2], :, :first - margin] = poison
+            tensor[[1, 2], :, end + margin:] = poison
     return assert_close_to_reference(run_backend(backend, inputs), *expected, dtype)
 
 

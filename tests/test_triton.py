@@ -847,10 +847,22 @@ def _small(dtype=torch.float32, device=DEVICE):
     return [torch.randn(1, 2, 5, 8, generator=g).to(dtype).to(device) for _ in range(3)]
 
 
-def test_key_blocks_outside_the_padding_span_are_never_read(generator):
-    """Key blocks of padding only, before a row's first or after its last unpadded key, are skipped:
-    NaN keys and values there (further than any BLOCK_N from the span) change nothing."""
-    testing.check_padding_is_not_read(BACKEND, torch.float32, generator, margin=128, device=DEVICE)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("rotation", [0, 1])  # small tiles, then the default ones
+@pytest.mark.parametrize("path", ["long_query", "decode"])
+def test_padded_keys_are_never_read(path, rotation, poison, generator, monkeypatch):
+    """No padded key is read, not even in the key block holding a span's first or last key: NaN or inf
+    in K and V before and after each row's span (which starts and ends mid-block) change nothing in the
+    forward (long-query or decode kernels, three splits), dK/dV or dQ."""
+    from fused_attn.backends import triton_decode
+
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
+    len_q, len_k = (19, 60) if path == "long_query" else (3, 200)
+    assert triton_decode.takes(torch.empty(1, 2, len_q, 16), torch.empty(1, 1, len_k, 16),
+                               torch.empty(1, 1, len_k, 16), None) == (path == "decode")
+    with tk.forced_configs(**_tiles(rotation)):
+        testing.check_padding_is_not_read(BACKEND, torch.float32, generator, device=DEVICE, poison=poison,
+                                          len_q=len_q, len_k=len_k)
 
 
 def test_padding_spans():

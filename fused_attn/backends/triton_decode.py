@@ -86,10 +86,13 @@ def _attn_decode(
         lo = tl.maximum(lo, tl.maximum(0, DIAG - LEFT) // BLOCK_N * BLOCK_N)
         hi = tl.minimum(hi, tl.maximum(0, L_Q - 1 + DIAG + RIGHT + 1))
     if HAS_KPM:
-        lo, hi = tk._within_span(SPANS, off_b, lo, hi, BLOCK_N)
+        span_first, span_end = tk._span(SPANS, off_b)
+        lo, hi = tk._within_span(span_first, span_end, lo, hi, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
+        col_ok = offs_n < hi  # keys of other splits are not this one's to see; hi <= the span's end
+        if HAS_KPM:  # nor is the padding before the span read (tk._in_span)
+            col_ok = col_ok & (offs_n >= span_first)
         k_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
         v_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
         k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,

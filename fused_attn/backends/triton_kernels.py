@@ -266,12 +266,25 @@ def _variant_scores(s, q_idx, k_idx, slope2, softcap2, DIAG, SOFTCAP: tl.constex
 
 
 @triton.jit
-def _within_span(SPANS, off_b, lo, hi, BLOCK_N: tl.constexpr):
-    """Key bounds [lo, hi) narrowed to the span of keys batch row `off_b`'s padding leaves (SPANS:
-    int32 (B, 2), [first, end)); lo stays a multiple of BLOCK_N."""
-    lo = tl.maximum(lo, tl.load(SPANS + 2 * off_b) // BLOCK_N * BLOCK_N)
-    hi = tl.minimum(hi, tl.load(SPANS + 2 * off_b + 1))
-    return lo, hi
+def _span(SPANS, off_b):
+    """[first, end) of the keys batch row `off_b`'s padding leaves (SPANS: int32 (B, 2); end <= L_K)."""
+    return tl.load(SPANS + 2 * off_b), tl.load(SPANS + 2 * off_b + 1)
+
+
+@triton.jit
+def _within_span(first, end, lo, hi, BLOCK_N: tl.constexpr):
+    """Key bounds [lo, hi) narrowed to the span [first, end); lo stays a multiple of BLOCK_N."""
+    return tl.maximum(lo, first // BLOCK_N * BLOCK_N), tl.minimum(hi, end)
+
+
+@triton.jit
+def _in_span(offs_n, first, end):
+    """Which keys offs_n lie in the span [first, end) (first <= end): the keys whose K and V may be loaded.
+    Padding holds whatever its owner left there (an unwritten cache, NaN, inf), and hiding its scores
+    does not hide that: 0 * NaN in P V (or in dP = dO V^T, dS K) is NaN."""
+    # One unsigned compare (keys before first wrap to large values): the loops that use it sit at the
+    # register limit (bench.triton_report), where a second compare per key made ptxas spill.
+    return (offs_n - first).to(tl.uint32) < (end - first).to(tl.uint32)
 
 
 @triton.jit
@@ -325,20 +338,24 @@ def _fold_sink(m_i, l_i, sink2):
 @triton.jit
 def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok,
                    mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb,
-                   stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, qk_scale, drop_threshold,
-                   slope2, softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr,
+                   stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, span_first, span_end,
+                   qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr,
                    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, HAS_PROGRAM: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """The forward's key blocks lo, lo + BLOCK_N, .. below hi (lo a multiple of BLOCK_N), all in the mask
-    program's tile `state` (PROGRAM_FULL without a program): the row max, row sum and accumulator after them."""
+    program's tile `state` (PROGRAM_FULL without a program): the row max, row sum and accumulator after them.
+    With HAS_KPM only the keys of the span [span_first, span_end) are read, block table entries included."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < L_K
-        k_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
-        v_rows = _key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
+        load_ok = col_ok
+        if HAS_KPM:  # the scores keep col_ok, the padding mask hides the rest: fewer registers than one mask
+            load_ok = _in_span(offs_n, span_first, span_end)
+        k_rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
+        v_rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
         k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
-                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+                      mask=load_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
                                stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n,
                                MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION)
@@ -348,7 +365,7 @@ def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, off_b
             bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
             p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
         v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+                    mask=load_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -418,8 +435,11 @@ def _attn_fwd(
         # visited one starts on a multiple of BLOCK_N (dropout's Philox blocks need multiples of 4).
         lo = tl.maximum(0, pid_m * BLOCK_M + DIAG - LEFT) // BLOCK_N * BLOCK_N
         hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
+    span_first = 0
+    span_end = L_K
     if HAS_KPM:  # keys outside the span the row's padding leaves are never visited
-        lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
+        span_first, span_end = _span(SPANS, off_b)
+        lo, hi = _within_span(span_first, span_end, lo, hi, BLOCK_N)
     if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
         hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
     if HAS_PROGRAM:
@@ -436,16 +456,16 @@ def _attn_fwd(
                     m_i, l_i, acc, tl.maximum(lo, tile_n), tl.minimum(hi, tile_n + PROGRAM_TILE), state, q, k_base,
                     v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh,
                     drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb,
-                    PAGE_SIZE, stride_mn, stride_pn, L_K, qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT,
-                    RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED, HAS_PROGRAM,
-                    PRECISION, BLOCK_N)
+                    PAGE_SIZE, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2,
+                    softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI,
+                    PAGED, HAS_PROGRAM, PRECISION, BLOCK_N)
     else:
         m_i, l_i, acc = _attn_fwd_keys(
             m_i, l_i, acc, lo, hi, PROGRAM_FULL, q, k_base, v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok,
             mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb,
-            stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, qk_scale, drop_threshold, slope2,
-            softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED,
-            HAS_PROGRAM, PRECISION, BLOCK_N)
+            stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale,
+            drop_threshold, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT,
+            SOFTCAP, HAS_ALIBI, PAGED, HAS_PROGRAM, PRECISION, BLOCK_N)
 
     if HAS_SINKS:  # the head's sink joins each row's softmax here, once (fused_attn.scores)
         sink = tl.load(SINKS + off_h)
@@ -608,15 +628,19 @@ def _attn_bwd_dkdv(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < L_K
+    key_ok = col_ok  # the keys read; dK and dV are written for all of col_ok (0 for padding)
+    if HAS_KPM:
+        span_first, span_end = _span(SPANS, off_b)
+        key_ok = _in_span(offs_n, span_first, span_end)
     k = tl.load(K + off_b * stride_kb + off_hkv * stride_kh + offs_n64[:, None] * stride_kn
-                + offs_dqk[None, :] * stride_kd, mask=col_ok[:, None] & (offs_dqk[None, :] < D_QK),
+                + offs_dqk[None, :] * stride_kd, mask=key_ok[:, None] & (offs_dqk[None, :] < D_QK),
                 other=0.0)
     v = tl.load(V + off_b * stride_vb + off_hkv * stride_vh + offs_n64[:, None] * stride_vn
-                + offs_dv[None, :] * stride_vd, mask=col_ok[:, None] & (offs_dv[None, :] < D_V),
+                + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & (offs_dv[None, :] < D_V),
                 other=0.0)
-    key_visible = col_ok
+    key_visible = key_ok
     if HAS_KPM:
-        padded = tl.load(KPM + off_b * stride_pb + offs_n64 * stride_pn, mask=col_ok, other=1)
+        padded = tl.load(KPM + off_b * stride_pb + offs_n64 * stride_pn, mask=key_ok, other=1)
         key_visible = key_visible & (padded == 0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
@@ -629,8 +653,6 @@ def _attn_bwd_dkdv(
         lo = tl.maximum(0, pid_n * BLOCK_N - DIAG - RIGHT) // BLOCK_M * BLOCK_M
         hi = tl.maximum(0, tl.minimum(L_Q, (pid_n + 1) * BLOCK_N - 1 - DIAG + LEFT + 1))
     if HAS_KPM:  # a block of padding only meets no query: its dK and dV are 0
-        span_first = tl.load(SPANS + 2 * off_b)
-        span_end = tl.load(SPANS + 2 * off_b + 1)
         hi = tl.where((span_end <= pid_n * BLOCK_N) | (span_first >= (pid_n + 1) * BLOCK_N), lo, hi)
     if VARLEN:  # a key block past its sequence's end (the grid is made for the longest)
         hi = tl.where(pid_n * BLOCK_N < L_K, hi, lo)
@@ -681,20 +703,24 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _attn_dq_keys(dq, lo, hi, state, q, do, lse2, delta, k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base,
                   kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn,
-                  stride_pn, L_K, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT,
-                  D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+                  stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG,
+                  LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
                   BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ (unscaled) after the key blocks lo, lo + BLOCK_N, .. below hi, all in the mask program's tile
-    `state` (PROGRAM_FULL without a program)."""
+    `state` (PROGRAM_FULL without a program); with HAS_KPM only the keys of the span [span_first, span_end)
+    are read."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
         col_ok = offs_n < L_K
+        load_ok = col_ok
+        if HAS_KPM:  # as in the forward (`_attn_fwd_keys`)
+            load_ok = _in_span(offs_n, span_first, span_end)
         k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+                      mask=load_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                      mask=col_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+                      mask=load_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
         s, cap_grad = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
                                       kpm_base, stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS,
                                       state, start_n, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI,
@@ -776,8 +802,11 @@ def _attn_bwd_dq(
     if BANDED:  # as in the forward
         lo = tl.maximum(0, pid_m * BLOCK_M + DIAG - LEFT) // BLOCK_N * BLOCK_N
         hi = tl.maximum(0, tl.minimum(L_K, (pid_m + 1) * BLOCK_M - 1 + DIAG + RIGHT + 1))
+    span_first = 0
+    span_end = L_K
     if HAS_KPM:  # keys outside the span the row's padding leaves are never visited
-        lo, hi = _within_span(SPANS, off_b, lo, hi, BLOCK_N)
+        span_first, span_end = _span(SPANS, off_b)
+        lo, hi = _within_span(span_first, span_end, lo, hi, BLOCK_N)
     if VARLEN:  # a query block past its sequence's end (the grid is made for the longest)
         hi = tl.where(pid_m * BLOCK_M < L_Q, hi, lo)
     if HAS_PROGRAM:  # as in the forward: empty tiles skipped by a scalar test, branch-free blocks inside
@@ -789,14 +818,16 @@ def _attn_bwd_dq(
                     dq, tl.maximum(lo, tile_n), tl.minimum(hi, tile_n + PROGRAM_TILE), state, q, do, lse2, delta,
                     k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh,
                     drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_pn, L_K,
-                    qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND,
-                    HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION, BLOCK_N)
+                    span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT,
+                    D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION,
+                    BLOCK_N)
     else:
         dq = _attn_dq_keys(
             dq, lo, hi, PROGRAM_FULL, q, do, lse2, delta, k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base,
             kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn,
-            stride_pn, L_K, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK, D_V,
-            MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION, BLOCK_N)
+            stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT,
+            RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION,
+            BLOCK_N)
 
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m64[:, None] * stride_dqm
