@@ -411,10 +411,18 @@ def test_emulated_varlen_glue_rejects_bad_arguments(emulated, change, message):
 
 
 @pytest.mark.emulated_cuda
-def test_emulated_key_blocks_outside_the_padding_span_are_never_read(emulated, generator):
-    """Key blocks of padding only are skipped (the span, AttentionParams::key_spans): NaN keys and
-    values further than a block (at most 64 keys) from a row's unpadded keys change nothing."""
-    testing.check_padding_is_not_read(EmulatedBackend(emulated), torch.float16, generator, margin=64)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", ["long_query", "decode"])
+def test_emulated_padded_keys_are_never_read(emulated, path, poison, generator, monkeypatch):
+    """No padded key is read (the span, AttentionParams::key_spans), not even in the key block holding a
+    span's first or last key: NaN or inf in K and V before and after each row's span (which starts and
+    ends mid-block) change nothing in the forward (long-query or decode kernels, three splits), dK/dV or dQ."""
+    monkeypatch.setenv("FUSED_ATTN_CUDA_DECODE_SPLITS", "3")
+    len_q, len_k = (19, 60) if path == "long_query" else (3, 200)
+    query, key = torch.empty(1, 2, len_q, 16, dtype=torch.float16), torch.empty(1, 1, len_k, 16, dtype=torch.float16)
+    assert (emulated.decode_splits(query, key, key) > 0) == (path == "decode")
+    testing.check_padding_is_not_read(EmulatedBackend(emulated), torch.float16, generator, poison=poison,
+                                      len_q=len_q, len_k=len_k)
 
 
 @pytest.mark.emulated_cuda

@@ -133,7 +133,7 @@ struct AttentionParams {
   const uint8_t* key_padding;  // (B, L_k) bool, true = ignore the key; may be null
   int64_t key_padding_stride[2];
   // With key_padding: int32 (B, 2), for each batch row [first, end) of the keys not padded; the
-  // key blocks outside it are never visited.
+  // key blocks outside it are never visited, and no key outside it is loaded (KeyRows).
   const int* key_spans;
   int batch, heads_q, heads_kv, group, len_q, len_k, dim_qk, dim_v;
   float scale;
@@ -363,14 +363,17 @@ struct alignas(16) Chunk16 {
 };
 
 // Loads rows [row0, row0 + ROWS) x columns [0, COLS) of a strided matrix into shared memory,
-// zero-filling rows >= rows_valid and columns >= cols_valid (padding of length and head dim).
-// Consecutive threads read consecutive columns, coalesced when the column stride is 1; then, when
-// every row starts on 16 bytes and holds whole 16-byte chunks, in 16-byte loads.
+// zero-filling rows outside [row_first, row_end) and columns >= cols_valid (padding of length and head
+// dim; for K and V also the keys of a batch row's padding, KeyRows): those are never read. Consecutive
+// threads read consecutive columns, coalesced when the column stride is 1; then, when every row starts
+// on 16 bytes and holds whole 16-byte chunks, in 16-byte loads.
 template <typename T, int ROWS, int COLS>
 __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t row_stride,
-                                          int64_t col_stride, int row0, int rows_valid,
+                                          int64_t col_stride, int row0, int row_first, int row_end,
                                           int cols_valid) {
   constexpr int VEC = 16 / sizeof(T);
+  // row_first <= row < row_end as one unsigned compare (0 <= row_first <= row_end).
+  const unsigned rows_valid = static_cast<unsigned>(row_end - row_first);
   static_assert(COLS % VEC == 0, "whole chunks per tile row");
   const bool chunked = col_stride == 1 && row_stride % VEC == 0 && cols_valid % VEC == 0 &&
                        reinterpret_cast<uintptr_t>(src) % 16 == 0;
@@ -379,7 +382,7 @@ __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t 
     for (int e = threadIdx.x; e < ROWS * CHUNKS; e += kThreads) {
       const int r = e / CHUNKS, c = e % CHUNKS * VEC, row = row0 + r;
       Chunk16 chunk = {};  // all-zero bits: 0 in every element type
-      if (row < rows_valid && c < cols_valid)
+      if (static_cast<unsigned>(row - row_first) < rows_valid && c < cols_valid)
         chunk = *reinterpret_cast<const Chunk16*>(src + row * row_stride + c);
       *reinterpret_cast<Chunk16*>(dst + r * ld + c) = chunk;
     }
@@ -388,7 +391,8 @@ __device__ __forceinline__ void load_tile(T* dst, int ld, const T* src, int64_t 
   for (int e = threadIdx.x; e < ROWS * COLS; e += kThreads) {
     const int r = e / COLS, c = e % COLS, row = row0 + r;
     T value = Element<T>::store(0.0f);
-    if (row < rows_valid && c < cols_valid) value = src[row * row_stride + c * col_stride];
+    if (static_cast<unsigned>(row - row_first) < rows_valid && c < cols_valid)
+      value = src[row * row_stride + c * col_stride];
     dst[r * ld + c] = value;
   }
 }
@@ -522,6 +526,19 @@ __device__ __forceinline__ void key_blocks_of(const AttentionParams& p, int b, i
     begin = max_int(begin, p.key_spans[2 * b] / BN * BN);
     end = min_int(end, p.key_spans[2 * b + 1]);
   }
+}
+
+// The keys of batch row b whose K and V may be loaded, [first, end): its span of unpadded keys with
+// key padding, so that no padded key is read, not even in the key blocks holding the span's first and
+// last keys (key_blocks_of rounds the first down to a block), else every key. Padded keys may hold
+// anything (NaN, inf: an unwritten cache region), which 0 · NaN would carry into the outputs.
+struct KeyRows {
+  int first, end;
+};
+
+__device__ __forceinline__ KeyRows key_rows_of(const AttentionParams& p, int b) {
+  if (p.key_spans == nullptr) return {0, p.len_k};
+  return {p.key_spans[2 * b], p.key_spans[2 * b + 1]};
 }
 
 // Where a packed batch's sequence starts in the packed tensors.
@@ -663,13 +680,14 @@ __device__ __forceinline__ void attend_key_blocks(const AttentionParams& p, cons
   using Tiles = ForwardTiles<T, HEAD, BM, BN>;
   constexpr int LD = Tiles::LD, LDS = Tiles::LDS, LDP = Tiles::LDP, LDO = Tiles::LDO, LANES = Tiles::LANES;
   const int row = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+  const KeyRows keys = key_rows_of(p, b);
   row_max = -INFINITY;
   row_sum = 0.0f;
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     if (!visits(p, b, rows, n0)) continue;  // before any load or barrier, on every thread alike
     const int32_t state = program_state(p, b, h, i, n0);
-    load_tile<T, BN, HEAD>(tiles.k, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
-    load_tile<T, BN, HEAD>(tiles.v, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
+    load_tile<T, BN, HEAD>(tiles.k, LD, k, p.k_stride[2], p.k_stride[3], n0, keys.first, keys.end, p.dim_qk);
+    load_tile<T, BN, HEAD>(tiles.v, LD, v, p.v_stride[2], p.v_stride[3], n0, keys.first, keys.end, p.dim_v);
     __syncthreads();
     block_gemm<T, BM, BN, HEAD, false, true, false>(tiles.q, LD, tiles.k, LD, tiles.s, LDS);  // S = Q Kᵀ
     __syncthreads();
@@ -720,7 +738,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
 
   const Tiles tiles(dynamic_shared_memory());
   const T* q = head_of<const T>(p.q, p.q_stride, b, h);
-  load_tile<T, BM, HEAD>(tiles.q, Tiles::LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
+  load_tile<T, BM, HEAD>(tiles.q, Tiles::LD, q, p.q_stride[2], p.q_stride[3], m0, 0, p.len_q, p.dim_qk);
   fill_f32(tiles.o, BM * Tiles::LDO, 0.0f);
 
   const int row = threadIdx.x / Tiles::LANES, lane = threadIdx.x % Tiles::LANES, i = m0 + row;
@@ -951,8 +969,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const T* k = head_of<const T>(p.k, p.k_stride, b, h_kv);
   const T* v = head_of<const T>(p.v, p.v_stride, b, h_kv);
-  load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
-  load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
+  const KeyRows keys = key_rows_of(p, b);
+  load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, keys.first, keys.end, p.dim_qk);
+  load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, keys.first, keys.end, p.dim_v);
   fill_f32(dk_s, BN * LDA, 0.0f);
   fill_f32(dv_s, BN * LDA, 0.0f);
 
@@ -964,7 +983,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     m_end = max_int(0, min_int(p.len_q, n0 + BN - 1 - p.diagonal + p.window_left + 1));
   }
   // A block of padding only meets no query: its dK and dV are 0.
-  if (p.key_spans != nullptr && (p.key_spans[2 * b + 1] <= n0 || p.key_spans[2 * b] >= n0 + BN)) m_end = m_begin;
+  if (keys.end <= n0 || keys.first >= n0 + BN) m_end = m_begin;
   for (int g = 0; g < p.group; ++g) {
     const int h = h_kv * p.group + g;
     const T* q = head_of<const T>(p.q, p.q_stride, b, h);
@@ -977,9 +996,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int32_t state = program_state(p, b, h, m0, n0);
       // The same state for every thread: the skip is taken before any load or barrier by all of them.
       if (state == fused_attn::kTileEmpty) continue;
-      load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
+      load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, 0, p.len_q, p.dim_qk);
       load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2],
-                             params.grad_out_stride[3], m0, p.len_q, p.dim_v);
+                             params.grad_out_stride[3], m0, 0, p.len_q, p.dim_v);
       load_row_stats<BM>(params, p, b, h, m0, start.q, lse_s, delta_s);
       __syncthreads();
       block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
@@ -1038,19 +1057,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_backward_dq_kernel(const Ba
       head_of<const T>(params.grad_out, params.grad_out_stride, b, h) + start.q * params.grad_out_stride[2];
   const T* k = head_of<const T>(p.k, p.k_stride, b, h_kv);
   const T* v = head_of<const T>(p.v, p.v_stride, b, h_kv);
-  load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, p.len_q, p.dim_qk);
+  load_tile<T, BM, HEAD>(q_s, LD, q, p.q_stride[2], p.q_stride[3], m0, 0, p.len_q, p.dim_qk);
   load_tile<T, BM, HEAD>(do_s, LD, grad_out, params.grad_out_stride[2], params.grad_out_stride[3],
-                         m0, p.len_q, p.dim_v);
+                         m0, 0, p.len_q, p.dim_v);
   load_row_stats<BM>(params, p, b, h, m0, start.q, lse_s, delta_s);
   fill_f32(dq_s, BM * LDA, 0.0f);
 
   int n_begin, n_end;
   key_blocks_of<BN>(p, b, m0, m0 + BM - 1, n_begin, n_end);
+  const KeyRows keys = key_rows_of(p, b);
   for (int n0 = n_begin; n0 < n_end; n0 += BN) {
     const int32_t state = program_state(p, b, h, m0, n0);
     if (state == fused_attn::kTileEmpty) continue;  // uniform over the block, before any load or barrier
-    load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, p.len_k, p.dim_qk);
-    load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, p.len_k, p.dim_v);
+    load_tile<T, BN, HEAD>(k_s, LD, k, p.k_stride[2], p.k_stride[3], n0, keys.first, keys.end, p.dim_qk);
+    load_tile<T, BN, HEAD>(v_s, LD, v, p.v_stride[2], p.v_stride[3], n0, keys.first, keys.end, p.dim_v);
     __syncthreads();
     block_gemm<T, BM, BN, HEAD, false, true, false>(q_s, LD, k_s, LD, s_s, LDS);    // Q Kᵀ
     block_gemm<T, BM, BN, HEAD, false, true, false>(do_s, LD, v_s, LD, dp_s, LDS);  // dO Vᵀ
