@@ -650,6 +650,39 @@ def test_program_tiles_left_empty_are_never_read(generator, dtype, heads, length
         assert testing.max_error(value, exact) <= allowed, name
 
 
+@pytest.mark.parametrize("block_k", [256, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_program_runs_with_empty_tiles_inside(generator, monkeypatch, dtype, block_k):
+    """Key blocks of several tiles, each query block computing the keys from the first to the last tile it sees:
+    empty tiles inside that run (key tiles 1 and 3 for query tiles 0, 2 and 4 at 512-key blocks), runs that start
+    past a block's first tile (query tile 3 at 256), partial tiles, rows that see nothing, and dropout's bits at
+    their keys, forward and backward, per head with GQA. Key tile 5, which no query sees, is never read: NaN there
+    changes nothing, and its keys' gradients are 0."""
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", str(block_k))
+    case = testing.Case(batch=1, heads_q=4, heads_kv=2, len_q=640, len_k=768, dim_qk=32, dropout_p=0.2,
+                        lse_grad=True)
+    inputs = testing.random_inputs(case, dtype, 2, generator)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_tile, kv_tile = q_idx // 128, kv_idx // 128
+        scattered = ((q_idx + 3 * kv_idx + h) % 7 < 4) & (q_idx % 11 != 0)
+        return (((q_tile == 1) & (kv_tile == 1)) | ((q_tile == 3) & (kv_tile == 3) & (kv_idx <= q_idx + h))
+                | ((q_tile % 2 == 0) & (kv_tile % 2 == 0) & (kv_tile < 5) & scattered))
+
+    program = masks.mask_program(mask_mod, heads=4, len_q=640, len_k=768)
+    inputs = dataclasses.replace(inputs, program=program)
+    exact, same_dtype = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, dtype)
+    with torch.no_grad():
+        inputs.key[:, :, 640:] = float("nan")
+        inputs.value[:, :, 640:] = float("nan")
+    results = testing.run_backend(registry.get("cpu"), inputs)
+    testing.assert_close_to_reference(results, exact, same_dtype, dtype)
+    hidden = exact.lse == float("-inf")
+    assert hidden.any()
+    assert (results.out[hidden] == 0).all() and (results.grad_query[hidden] == 0).all()
+    assert (results.grad_key[:, :, 640:] == 0).all() and (results.grad_value[:, :, 640:] == 0).all()
+
+
 def test_program_of_full_tiles_equals_no_program(generator, monkeypatch):
     """A program that hides nothing changes nothing: bit for bit, at the key blocks a program runs with."""
     monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", str(masks.TILE))

@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -226,14 +227,15 @@ bool env_flag(const char* name, bool fallback) {
 void choose_tiling(Params& p, bool backward) {
   // Larger query blocks amortise the packing of each key block over more rows; the forward keeps
   // a (block_q × block_k) score block per thread in L2.
-  p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward ? 64 : 128);
+  const bool program = p.program.present();
+  p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward || program ? 64 : 128);
   p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
-  if (p.program.present()) {
-    // A program's tiles decide whole blocks: query blocks divide its rows; key blocks are its tiles'
-    // columns in the backward, and runs of them in the forward (a multiple of kTile: 128-key blocks cost
-    // the forward 15-19 % against 512, bench/NOTES.md section 30).
-    p.block_q = fused_attn::kTile / 2;
-    p.block_k = backward ? fused_attn::kTile : std::max(fused_attn::kTile, p.block_k / fused_attn::kTile * fused_attn::kTile);
+  if (program) {
+    // A program's tiles decide whole blocks: query blocks divide its rows; key blocks are runs of its
+    // tiles' columns (a multiple of kTile: 128-key blocks cost the forward 15-19 % against 512 and the
+    // backward 2-3 % against 256, bench/NOTES.md sections 30 and 31).
+    p.block_q = std::gcd(p.block_q, fused_attn::kTile);
+    p.block_k = std::max(fused_attn::kTile, p.block_k / fused_attn::kTile * fused_attn::kTile);
   }
   // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
   p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();

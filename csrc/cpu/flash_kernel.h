@@ -560,6 +560,34 @@ inline void hide_by_program(const Params& p, acc_t* s, int64_t n, int64_t k0, in
   }
 }
 
+// The keys k0 + first .. k0 + end of a key block that a query block (rows from q0, inside one tile row) computes:
+// those up to `width`, the last key its last row sees (relative to k0, a multiple of kTile), and, with a program,
+// from the first to the last tile it sees, whose states go to `states`. end 0: it computes none. `hides`: a tile
+// between hides keys (empty, or partial); a run of full tiles needs nothing per score.
+struct BlockKeys {
+  int64_t first = 0, end = 0;
+  bool hides = false;
+};
+
+inline BlockKeys block_keys(const Params& p, int64_t b, int64_t h, int64_t q0, int64_t k0, int64_t width,
+                            int32_t* states) {
+  constexpr int64_t T = fused_attn::kTile;
+  BlockKeys keys;
+  if (width <= 0) return keys;
+  if (!p.program.present()) {
+    keys.end = width;
+    return keys;
+  }
+  for (int64_t t = 0; t * T < width; ++t) {
+    states[t] = p.program.tile(b, h, q0, k0 + t * T);
+    if (states[t] == fused_attn::kTileEmpty) continue;
+    if (keys.end == 0) keys.first = t * T;
+    keys.end = std::min(width, (t + 1) * T);
+  }
+  for (int64_t t = keys.first / T; t * T < keys.end; ++t) keys.hides |= states[t] != fused_attn::kTileFull;
+  return keys;
+}
+
 // 2^t for t <= 0 (up to rounding) and -inf, for probabilities rounded to bf16/fp16 next: ATen's
 // fexp_u20 (its polynomial, ~1e-4 relative error, and its construction of the exponent field)
 // without its range checks, which t never needs: every t under -127, -inf included, gives
@@ -677,15 +705,25 @@ inline void scale_row(T* x, int64_t n, T factor) {
   at::vec::map([factor](Vectorized<T> v) { return v * Vectorized<T>(factor); }, x, x, n);
 }
 
-// Writes acc values, times `factor`, to a strided row of the output type; src is scratch.
+// Writes acc values, times `factor`, to a strided row of the output type. A unit-stride row is scaled and
+// converted in one inline pass (every row of every output and gradient goes through here: with a program's
+// short rows, two calls per row were 5 % of a bf16 forward).
 template <typename st, typename acc_t>
-inline void store_row(st* dst, int64_t stride, acc_t* src, int64_t n, acc_t factor) {
+inline void store_row(st* dst, int64_t stride, const acc_t* src, int64_t n, acc_t factor) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  int64_t j = 0;
   if (stride == 1) {
-    scale_row(src, n, factor);
-    at::vec::convert(src, dst, n);
-  } else {
-    for (int64_t j = 0; j < n; ++j) dst[j * stride] = static_cast<st>(src[j] * factor);
+    const V scale(factor);
+    if constexpr (std::is_same_v<st, acc_t>) {
+      for (; j + W <= n; j += W) (V::loadu(src + j) * scale).store(dst + j);
+    } else if constexpr (std::is_same_v<acc_t, float>) {
+      for (; j + 2 * W <= n; j += 2 * W) {
+        at::vec::convert_from_float<st>(V::loadu(src + j) * scale, V::loadu(src + j + W) * scale).store(dst + j);
+      }
+    }
   }
+  for (; j < n; ++j) dst[j * stride] = static_cast<st>(src[j] * factor);
 }
 
 // How a row ends, from its running maximum m and the sum l of its visible weights (relative to m): the
@@ -913,19 +951,25 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, width);
   const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
   const int64_t n = last - first;
+  // The maximum and the exp take whole pairs of vectors as far as the block has keys, those past the row's
+  // last one hidden: cheaper than the ragged end each row has on its diagonal (a program's short rows meet
+  // theirs in one block of two: 4 % of a bf16 forward of chunks).
+  const int64_t exp_end = first + std::min(round_up(n, 2 * Vectorized<acc_t>::size()), width - first);
   const acc_t scale = static_cast<acc_t>(p.scale);
   // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
   acc_t row_scale = scale;
   acc_t block_max = neg_inf<acc_t>();
   if (n > 0 && scores_are_plain(p)) {
     if (tile_states != nullptr) hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
-    block_max = row_max_of(srow + first, n) * scale;
+    std::fill(srow + last, srow + exp_end, neg_inf<acc_t>());
+    block_max = row_max_of(srow + first, exp_end - first) * scale;
   } else if (n > 0) {
     block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
     if (tile_states != nullptr) {
       hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
       block_max = row_max_of(srow + first, n);
     }
+    std::fill(srow + last, srow + exp_end, neg_inf<acc_t>());
     row_scale = acc_t(1);
   }
   const acc_t m_new = std::max(*m, block_max);
@@ -936,9 +980,9 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   // 1 when the old max is -inf (the sum is 0, the accumulator holds nothing to rescale); an unchanged
   // max skips the exp.
   const acc_t alpha = *m == m_new || *m == neg_inf<acc_t>() ? acc_t(1) : std::exp(*m - m_new);
-  const acc_t sum = exp_row(srow + first, n, row_scale, m_new, prow + first);
+  const acc_t sum = exp_row(srow + first, exp_end - first, row_scale, m_new, prow + first);
   std::fill(prow, prow + first, ct(0));
-  std::fill(prow + last, prow + width_pad, ct(0));
+  std::fill(prow + exp_end, prow + width_pad, ct(0));
   if (p.dropout.enabled) {
     dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0 + first, n, bits);
     drop_row(prow + first, bits, n, p.dropout.threshold);
@@ -949,10 +993,13 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
 }
 
 // Query rows per work item: several query blocks share each packed key/value block (packing costs
-// O(block_k · D) per item and key block), as long as there are enough items to keep threads busy.
-inline int64_t blocks_per_item(int64_t q_blocks, int64_t heads, int64_t threads) {
+// O(block_k · D) per item and key block), as long as there are enough items to keep threads busy; up to
+// 1024 rows, and 8 to 32 blocks (forward_impl keeps a bit per block). A program's blocks of 64 rows would
+// otherwise pack K and V twice as often per row as the plain 128 (chunks of 1024: 3 % of the forward).
+inline int64_t blocks_per_item(int64_t q_blocks, int64_t block_q, int64_t heads, int64_t threads) {
+  const int64_t most = std::clamp<int64_t>(1024 / block_q, 8, 32);
   int64_t per_item = 1;
-  while (per_item < 8 && per_item < q_blocks &&
+  while (per_item < most && per_item < q_blocks &&
          heads * ((q_blocks + 2 * per_item - 1) / (2 * per_item)) >= 4 * threads) {
     per_item *= 2;
   }
@@ -969,7 +1016,7 @@ void forward_impl(const Params& p) {
   const int64_t Lq = p.len_q, D = p.dim_qk, Dv = p.dim_v;
   const int64_t groups = p.heads_q / p.heads_kv;
   const int64_t q_blocks = (Lq + BQ - 1) / BQ;
-  const int64_t per_item = blocks_per_item(q_blocks, p.batch * p.heads_q, at::get_num_threads());
+  const int64_t per_item = blocks_per_item(q_blocks, BQ, p.batch * p.heads_q, at::get_num_threads());
   const int64_t rows_per_item = per_item * BQ;
   const int64_t chunks = (Lq + rows_per_item - 1) / rows_per_item;
   const int64_t Dpad = vnni ? round_up(D, 2) : D;
@@ -978,9 +1025,11 @@ void forward_impl(const Params& p) {
   // Query rows that already are the A operand of S = Q Kᵀ (the operand type, contiguous along D,
   // no padding column) feed it in place, at their own row stride; others are packed per item.
   const bool q_in_place = std::is_same_v<scalar_t, ct> && p.query.s[3] == 1 && Dpad == D && p.query.s[2] >= D;
+  // So do value rows as the B operand of O += P V where that is plain row-major (not VNNI pairs).
+  const bool v_in_place = !vnni && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1 && p.value.s[2] >= Dv;
   using Buffers = SoftmaxBuffers<acc_t, ct>;
   const size_t scratch_bytes = (q_in_place ? 0 : Scratch::bytes<ct>(rows_per_item * Dpad)) +
-                               Scratch::bytes<ct>(Dpad * BK) + Scratch::bytes<ct>(BKpad * Dv) +
+                               Scratch::bytes<ct>(Dpad * BK) + (v_in_place ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
                                Buffers::bytes(p, BQ, rows_per_item, BK, BKpad);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
@@ -992,7 +1041,7 @@ void forward_impl(const Params& p) {
     Scratch scratch(scratch_bytes, p.poison_scratch);
     ct* qbuf = q_in_place ? nullptr : scratch.take<ct>(rows_per_item * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
-    ct* vbuf = scratch.take<ct>(BKpad * Dv);
+    ct* vbuf = v_in_place ? nullptr : scratch.take<ct>(BKpad * Dv);
     Buffers buffers(scratch, p, BQ, rows_per_item, BK, BKpad);
     acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
@@ -1014,7 +1063,7 @@ void forward_impl(const Params& p) {
         pack_a(qbuf, Dpad, q_ptr, p.query.s[2], p.query.s[3], rows, D);
       }
       buffers.start(rows);
-      // Bit i: query block i's accumulator rows hold its first P·V product (blocks_per_item <= 8).
+      // Bit i: query block i's accumulator rows hold its first P·V product (blocks_per_item <= 32).
       uint32_t written = 0;
 
       // The keys these rows see through the window (causal: up to the last row's diagonal); the
@@ -1047,7 +1096,14 @@ void forward_impl(const Params& p) {
         const int64_t ldp = separate_p ? bkpad : bk;
         // Kᵀ block as B (D × bk); V block as B (bk × Dv): packed once for all query blocks here.
         pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
-        pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+        const ct* v_rows = vbuf;
+        int64_t ldv = Dv;
+        if (v_in_place) {
+          v_rows = reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0));
+          ldv = p.value.s[2];
+        } else {
+          pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+        }
 
         for (int64_t r0 = 0; r0 < rows; r0 += BQ) {
           const int64_t q0 = c0 + r0;
@@ -1055,36 +1111,35 @@ void forward_impl(const Params& p) {
           const int64_t block_first = visible_keys(p, q0, span).first;
           const int64_t block_end = visible_keys(p, q0 + bq - 1, span).end;
           if (block_end <= k0 || block_first >= k0 + bk) continue;  // no row of this block sees these keys
-          // The products stop at the last key the block's last query sees (and, with a program, at the end of
-          // the last tile the block sees).
-          int64_t width = std::min(bk, block_end - k0);
-          // With a program, the values of the tiles before the first one the block sees stay unread (their
-          // weights are 0, but a 0 times a NaN in memory nobody sees would be NaN).
-          int64_t lead = 0;
-          if (program) {
-            int64_t seen_end = 0;
-            lead = -1;
-            for (int64_t t = 0; t * T < width; ++t) {
-              states[t] = tile_state(r0, k0 + t * T);
-              if (states[t] == fused_attn::kTileEmpty) continue;
-              seen_end = std::min(width, (t + 1) * T);
-              if (lead < 0) lead = t * T;
-            }
-            if (seen_end == 0) continue;
-            width = seen_end;
-          }
-          const int64_t width_pad = vnni ? round_up(width, 2) : width;
-          gemm<ct, acc_t>(bq, width, Dpad, q_rows + r0 * ldq, ldq, kbuf, bk, sbuf, bk, false, p.use_brgemm);
-          for (int64_t r = 0; r < bq; ++r) {
-            const int64_t qi = q0 + r;
-            softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), k0, width, width_pad, sbuf + r * bk,
-                                   pbuf + r * ldp, row_max + r0 + r, row_sum + r0 + r, obuf + (r0 + r) * Dv,
-                                   buffers.bits, program ? states : nullptr);
-          }
+          // The products stop at the last key the block's last query sees and, with a program, run from the first
+          // to the last tile the block sees: the keys and values of the tiles before the first one stay unread
+          // (their weights are 0, but a 0 times a NaN in memory nobody sees would be NaN).
+          const BlockKeys keys = block_keys(p, b, h, q0, k0, std::min(bk, block_end - k0), states);
+          if (keys.end == 0) continue;
+          // From here on the block is keys kb .. kb + w: lead is a multiple of kTile, so the VNNI pairs of the
+          // packed K and V start there too (a column of Kᵀ is a pair of values in VNNI layout).
+          const int64_t lead = keys.first, kb = k0 + lead, w = keys.end - lead;
+          // Where the band's diagonal cuts the block, each half of its rows stops at its own last row's key: half
+          // the products the cut leaves unused (1-2 % of a forward of chunks, every block of which ends on its
+          // diagonal; about 1 % of a causal one).
+          const bool cut = bq == BQ && bq >= 32 && visible_keys(p, q0 + bq / 2 - 1, span).end < kb + w;
+          const int64_t rows_at_once = cut ? bq / 2 : bq;
           const uint32_t block_bit = uint32_t(1) << (r0 / BQ);
-          // (lead is a multiple of kTile: the VNNI pairs of packed V rows start there too.)
-          gemm<ct, acc_t>(bq, Dv, width_pad - lead, pbuf + lead, ldp, vbuf + lead * Dv, Dv, obuf + r0 * Dv, Dv,
-                          (written & block_bit) != 0, p.use_brgemm);
+          for (int64_t s0 = r0; s0 < r0 + bq; s0 += rows_at_once) {
+            const int64_t sq = std::min(rows_at_once, r0 + bq - s0);
+            const int64_t sw = std::clamp<int64_t>(visible_keys(p, c0 + s0 + sq - 1, span).end - kb, 0, w);
+            const int64_t swpad = vnni ? round_up(sw, 2) : sw;
+            gemm<ct, acc_t>(sq, sw, Dpad, q_rows + s0 * ldq, ldq, kbuf + (vnni ? 2 * lead : lead), bk, sbuf, bk, false,
+                            p.use_brgemm);
+            for (int64_t r = 0; r < sq; ++r) {
+              const int64_t qi = c0 + s0 + r;
+              softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), kb, sw, swpad, sbuf + r * bk,
+                                     pbuf + r * ldp, row_max + s0 + r, row_sum + s0 + r, obuf + (s0 + r) * Dv,
+                                     buffers.bits, keys.hides ? states + lead / T : nullptr);
+            }
+            gemm<ct, acc_t>(sq, Dv, swpad, pbuf, ldp, v_rows + lead * ldv, ldv, obuf + s0 * Dv, Dv,
+                            (written & block_bit) != 0, p.use_brgemm);
+          }
           written |= block_bit;
         }
       }
@@ -1334,6 +1389,29 @@ void transpose_tile(ct* dst, int64_t ld_dst, const acc_t* src, int64_t ld_src, i
   }
 }
 
+// x · y over n values of unit stride, in the accumulation type: one partial sum per vector lane, added in a
+// fixed order, so a row's sum does not depend on the thread that takes it.
+template <typename acc_t, typename scalar_t>
+acc_t dot_row(const scalar_t* x, const scalar_t* y, int64_t n) {
+  using V = Vectorized<acc_t>;
+  constexpr int64_t W = V::size();
+  const auto load = [](const scalar_t* values) {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      return V::loadu(values);
+    } else {
+      V widened;
+      at::vec::load_to_float(values, widened);
+      return widened;
+    }
+  };
+  V lanes(acc_t(0));
+  int64_t i = 0;
+  for (; i + W <= n; i += W) lanes = at::vec::fmadd(load(x + i), load(y + i), lanes);
+  acc_t sum = at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return a + b; }, lanes);
+  for (; i < n; ++i) sum += static_cast<acc_t>(x[i]) * static_cast<acc_t>(y[i]);
+  return sum;
+}
+
 // delta = rowsum(dO * O) - grad_lse, one value per query row, in the accumulation type.
 template <typename scalar_t>
 void compute_delta(const Params& p) {
@@ -1348,9 +1426,15 @@ void compute_delta(const Params& p) {
       const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
       const scalar_t* o = O + b * p.out.s[0] + h * p.out.s[1] + i * p.out.s[2];
       const scalar_t* g = dO + b * p.grad_out.s[0] + h * p.grad_out.s[1] + i * p.grad_out.s[2];
+      // A pass over O and dO of every row: with a short backward (a program's), a dependent chain of scalar
+      // additions per row was a few percent of it.
       acc_t sum = 0;
-      for (int64_t d = 0; d < p.dim_v; ++d) {
-        sum += static_cast<acc_t>(o[d * p.out.s[3]]) * static_cast<acc_t>(g[d * p.grad_out.s[3]]);
+      if (p.out.s[3] == 1 && p.grad_out.s[3] == 1) {
+        sum = dot_row<acc_t>(o, g, p.dim_v);
+      } else {
+        for (int64_t d = 0; d < p.dim_v; ++d) {
+          sum += static_cast<acc_t>(o[d * p.out.s[3]]) * static_cast<acc_t>(g[d * p.grad_out.s[3]]);
+        }
       }
       if (grad_lse != nullptr) {
         sum -= grad_lse[b * p.grad_lse.s[0] + h * p.grad_lse.s[1] + i * p.grad_lse.s[2]];
@@ -1429,16 +1513,43 @@ void backward_impl(const Params& p) {
         store_row(dV + b * p.grad_value.s[0] + hk * p.grad_value.s[1] + kj * p.grad_value.s[2],
                   p.grad_value.s[3], dv_row, Dv, keep_scale);
       };
-      // Keys outside the span of unpadded keys are never read: their gradients are 0.
-      std::fill(dk_acc, dk_acc + D, acc_t(0));
-      std::fill(dv_acc, dv_acc + Dv, acc_t(0));
-      for (int64_t kj = 0; kj < span.first; ++kj) store_key_grads(kj, dk_acc, dv_acc);
-      for (int64_t kj = span.end; kj < Lk; ++kj) store_key_grads(kj, dk_acc, dv_acc);
+      // Keys no query here sees (outside the span of unpadded keys, or in tiles the program leaves empty for
+      // every query of the item) are never read: their gradients are 0.
+      const auto store_zero_key_grads = [&](int64_t from, int64_t to) {
+        std::fill(dk_acc, dk_acc + D, acc_t(0));
+        std::fill(dv_acc, dv_acc + Dv, acc_t(0));
+        for (int64_t kj = from; kj < to; ++kj) store_key_grads(kj, dk_acc, dv_acc);
+      };
+      store_zero_key_grads(0, span.first);
+      store_zero_key_grads(span.end, Lk);
 
-      // With a program, key and query blocks lie inside its tiles (BK and BQ divide kTile).
-      const int64_t k_start = p.program.present() ? span.first - span.first % BK : span.first;
-      for (int64_t k0 = k_start; k0 < span.end; k0 += BK) {
-        const int64_t bk = std::min(BK, span.end - k0);
+      // With a program, key blocks start on its tiles' columns and are runs of up to BK keys (a multiple of
+      // kTile) of the tiles some query block of the item sees, as in the forward; query blocks lie inside
+      // one tile row (BQ divides kTile).
+      constexpr int64_t T = fused_attn::kTile;
+      const bool program = p.program.present();
+      const auto seen_here = [&](int64_t key) {
+        const KeyRange queries = queries_seeing(p, key, std::min(key + T, span.end));
+        for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
+          for (int64_t q0 = queries.first - queries.first % T; q0 < queries.end; q0 += T) {
+            if (p.program.tile(b, h, q0, key) != fused_attn::kTileEmpty) return true;
+          }
+        }
+        return false;
+      };
+      int32_t states[4096 / T];  // of one query block's tiles in a key block (BK <= 4096)
+      const int64_t k_start = program ? span.first - span.first % T : span.first;
+      for (int64_t k0 = k_start, bk; k0 < span.end; k0 += bk) {
+        if (program) {
+          bk = std::min(T, span.end - k0);
+          if (!seen_here(k0)) {
+            store_zero_key_grads(k0, k0 + bk);
+            continue;
+          }
+          while (bk < BK && k0 + bk < span.end && seen_here(k0 + bk)) bk = std::min({bk + T, BK, span.end - k0});
+        } else {
+          bk = std::min(BK, span.end - k0);
+        }
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const scalar_t* k_ptr = k_head + k0 * p.key.s[2];
         const scalar_t* v_ptr = v_head + k0 * p.value.s[2];
@@ -1450,13 +1561,20 @@ void backward_impl(const Params& p) {
 
         // Only the queries whose window reaches these keys (causal: from row k0 on) are visited.
         const KeyRange queries = queries_seeing(p, k0, k0 + bk);
-        const int64_t q_start = p.program.present() ? queries.first - queries.first % BQ : queries.first;
+        const int64_t q_start = program ? queries.first - queries.first % BQ : queries.first;
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t h = hk * groups + g;
           for (int64_t q0 = q_start; q0 < queries.end; q0 += BQ) {
             const int64_t bq = std::min(BQ, queries.end - q0);
-            const int32_t state = p.program.present() ? p.program.tile(b, h, q0, k0) : fused_attn::kTileFull;
-            if (state == fused_attn::kTileEmpty) continue;
+            // Only the keys the query block computes (none: skipped); the other keys' P and dS are 0, and their K
+            // and V stay unread. From here on the block is keys kb .. kb + w: lead is a multiple of kTile, so the
+            // VNNI pairs of the packed operands start there too (a column of Kᵀ and Vᵀ is a pair of values).
+            const BlockKeys keys =
+                block_keys(p, b, h, q0, k0, std::min(bk, visible_keys(p, q0 + bq - 1, span).end - k0), states);
+            if (keys.end == 0) continue;
+            const int64_t lead = keys.first, kb = k0 + lead, w = keys.end - lead;
+            const int64_t wpad = vnni ? round_up(w, 2) : w;
+            const int64_t column = vnni ? 2 * lead : lead;
             const int64_t bqpad = vnni ? round_up(bq, 2) : bq;
             const scalar_t* q_ptr = Q + b * p.query.s[0] + h * p.query.s[1] + q0 * p.query.s[2];
             const scalar_t* do_ptr =
@@ -1472,8 +1590,8 @@ void backward_impl(const Params& p) {
               qb = q_b;
               dob = do_b;
             }
-            gemm<ct, acc_t>(bq, bk, Dpad, q_a, Dpad, kt_b, bk, sbuf, bk, false, p.use_brgemm);
-            gemm<ct, acc_t>(bq, bk, Dvpad, do_a, Dvpad, vt_b, bk, dpbuf, bk, false, p.use_brgemm);
+            gemm<ct, acc_t>(bq, w, Dpad, q_a, Dpad, kt_b + column, bk, sbuf, bk, false, p.use_brgemm);
+            gemm<ct, acc_t>(bq, w, Dvpad, do_a, Dvpad, vt_b + column, bk, dpbuf, bk, false, p.use_brgemm);
 
             for (int64_t r = 0; r < bq; ++r) {
               const int64_t qi = q0 + r;
@@ -1481,9 +1599,12 @@ void backward_impl(const Params& p) {
               acc_t* dprow = dpbuf + r * bk;
               // The row's keys in this block, [first, last); the rest of its P and dS are 0.
               const KeyRange seen = visible_keys(p, qi, span);
-              const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, bk);
-              const int64_t last = std::clamp<int64_t>(seen.end - k0, first, bk);
+              const int64_t first = std::clamp<int64_t>(seen.first - kb, 0, w);
+              const int64_t last = std::clamp<int64_t>(seen.end - kb, first, w);
               const int64_t n = last - first;
+              // P and dS of whole pairs of vectors as far as the block has keys, those past the row's last one
+              // hidden (0), as the forward's softmax_step takes them.
+              const int64_t exp_end = first + std::min(round_up(n, 2 * Vectorized<acc_t>::size()), w - first);
               acc_t* s_seen = srow + first;
               acc_t* dp_seen = dprow + first;
               acc_t lse = LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]];
@@ -1491,19 +1612,20 @@ void backward_impl(const Params& p) {
               if (lse == neg_inf<acc_t>()) lse = std::numeric_limits<acc_t>::infinity();
               const acc_t d = delta[b * p.delta.s[0] + h * p.delta.s[1] + qi * p.delta.s[2]];
               // Scores are scaled inside the exp when nothing else applies; srow then holds P.
-              if (!plain_scores) prepare_scores<acc_t, scalar_t>(s_seen, n, scale, p, b, h, qi, k0 + first, cap_grad);
-              if (state >= 0) hide_unseen(s_seen, n, k0 + first, p.program.row(state, qi));
-              exp_row(s_seen, n, plain_scores ? scale : acc_t(1), lse, s_seen);
+              if (!plain_scores) prepare_scores<acc_t, scalar_t>(s_seen, n, scale, p, b, h, qi, kb + first, cap_grad);
+              if (keys.hides) hide_by_program(p, s_seen, n, kb, first, qi, states + lead / T);
+              std::fill(srow + last, srow + exp_end, neg_inf<acc_t>());
+              exp_row(s_seen, exp_end - first, plain_scores ? scale : acc_t(1), lse, s_seen);
               // With dropout, O = (Z ∘ P / (1 - p)) V: the gradient of the undropped weights is
               // Z ∘ dP / (1 - p), and dV takes Z ∘ P (scaled by 1 / (1 - p) when stored).
               if (p.dropout.enabled) {
-                dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0 + first, n, bits);
+                dropout_row_bits(p.dropout, b * p.heads_q + h, qi, kb + first, n, bits);
                 drop_and_scale_row(dp_seen, bits, n, p.dropout.threshold, keep_scale);
               }
-              grad_scores(s_seen, dp_seen, n, d);  // dprow now holds dS
+              grad_scores(s_seen, dp_seen, exp_end - first, d);  // dprow now holds dS
               if (dMask != nullptr) {  // an additive mask's gradient is dS; hidden keys keep their 0
                 at::vec::convert(dp_seen, dMask + b * p.grad_mask.s[0] + h * p.grad_mask.s[1] +
-                                              qi * p.grad_mask.s[2] + (k0 + first) * p.grad_mask.s[3], n);
+                                              qi * p.grad_mask.s[2] + (kb + first) * p.grad_mask.s[3], n);
               }
               if (p.softcap > 0.0) {  // the capped score's gradient times the cap's derivative
                 for (int64_t j = 0; j < n; ++j) dp_seen[j] *= cap_grad[j];
@@ -1511,25 +1633,25 @@ void backward_impl(const Params& p) {
               if (p.dropout.enabled) drop_row(s_seen, bits, n, p.dropout.threshold);
               std::fill(srow, s_seen, acc_t(0));
               std::fill(dprow, dp_seen, acc_t(0));
-              std::fill(srow + last, srow + bk, acc_t(0));
-              std::fill(dprow + last, dprow + bk, acc_t(0));
+              std::fill(srow + exp_end, srow + w, acc_t(0));
+              std::fill(dprow + exp_end, dprow + w, acc_t(0));
             }
-            // Pᵀ and dSᵀ (bk × bq, columns bq..bqpad zero), the A operands of dV and dK.
-            transpose_tile(pt, bqpad, sbuf, bk, bq, bk, tbuf);
-            transpose_tile(dst, bqpad, dpbuf, bk, bq, bk, tbuf);
+            // Pᵀ and dSᵀ (w × bq, columns bq..bqpad zero), the A operands of dV and dK.
+            transpose_tile(pt, bqpad, sbuf, bk, bq, w, tbuf);
+            transpose_tile(dst, bqpad, dpbuf, bk, bq, w, tbuf);
             const ct* ds_a = reinterpret_cast<const ct*>(dpbuf);
             int64_t ld_ds = bk;
             if constexpr (!std::is_same_v<ct, acc_t>) {
               for (int64_t r = 0; r < bq; ++r) {
-                at::vec::convert(dpbuf + r * bk, ds + r * bkpad, bk);
-                if (bkpad > bk) ds[r * bkpad + bk] = ct(0);
+                at::vec::convert(dpbuf + r * bk, ds + r * wpad, w);
+                if (wpad > w) ds[r * wpad + w] = ct(0);
               }
               ds_a = ds;
-              ld_ds = bkpad;
+              ld_ds = wpad;
             }
-            gemm<ct, acc_t>(bk, Dv, bqpad, pt, bqpad, dob, Dv, dv_acc, Dv, true, p.use_brgemm);
-            gemm<ct, acc_t>(bk, D, bqpad, dst, bqpad, qb, D, dk_acc, D, true, p.use_brgemm);
-            gemm<ct, acc_t>(bq, D, bkpad, ds_a, ld_ds, k_b, D, dq_acc + (g * Lq + q0) * D, D, true,
+            gemm<ct, acc_t>(w, Dv, bqpad, pt, bqpad, dob, Dv, dv_acc + lead * Dv, Dv, true, p.use_brgemm);
+            gemm<ct, acc_t>(w, D, bqpad, dst, bqpad, qb, D, dk_acc + lead * D, D, true, p.use_brgemm);
+            gemm<ct, acc_t>(bq, D, wpad, ds_a, ld_ds, k_b + lead * D, D, dq_acc + (g * Lq + q0) * D, D, true,
                             p.use_brgemm);
           }
         }
