@@ -34,7 +34,7 @@ from .backends import registry
 from .checks import _check_options, assert_on_device
 from .functional import attention
 from .problem import Problem, output_like
-from . import rotary
+from . import quantization, rotary
 from .scores import variant_of, with_sinks
 
 
@@ -43,9 +43,43 @@ def _check_cache(name: str, cache: torch.Tensor, paged: bool, query: torch.Tenso
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
         raise ValueError(f"{name}: expected a 4-D tensor {layout}, got "
                          f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}")
-    if cache.dtype != query.dtype or cache.device != query.device:
-        raise TypeError(f"{name}: expected query's dtype {query.dtype} and device {query.device}, got "
+    if cache.dtype not in (query.dtype, *quantization.CACHE_DTYPES) or cache.device != query.device:
+        raise TypeError(f"{name}: expected query's dtype {query.dtype} or an 8-bit cache "
+                        f"({', '.join(map(str, quantization.CACHE_DTYPES))}), on query's device {query.device}, got "
                         f"{cache.dtype} on {cache.device}")
+
+
+def _check_scales(k_cache, v_cache, k_scale, v_scale, paged: bool, batch: int) -> str | None:
+    """An 8-bit cache's scales: 'sequence' for (B, H_kv) ones (a dense cache: one per cache row), 'token' for one
+    per stored key and head, in the cache's layout without D; None for a cache of the query's dtype."""
+    if not quantization.is_quantized(k_cache) and not quantization.is_quantized(v_cache):
+        for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scales is not None:
+                raise ValueError(f"{name}: scales are for an 8-bit cache, got a {k_cache.dtype} cache")
+        return None
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"v_cache: expected k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
+    heads_kv = k_cache.shape[2] if paged else k_cache.shape[1]
+    rows = batch if paged else k_cache.shape[0]
+    per_sequence = (rows, heads_kv)
+    per_token = tuple(k_cache.shape[:3])
+    token_layout = "(num_blocks, block_size, H_kv)" if paged else "(B, H_kv, L_max)"
+    sequence_layout = "(B, H_kv)" if paged else "(cache rows, H_kv)"
+    layout = None
+    for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+                tuple(scales.shape) not in (per_sequence, per_token):
+            raise ValueError(f"{name}: an {k_cache.dtype} cache needs float32 scales of shape {sequence_layout} = "
+                             f"{per_sequence} (per sequence and kv head) or {token_layout} = {per_token} (per token "
+                             f"and kv head), got {getattr(scales, 'dtype', type(scales).__name__)} of shape "
+                             f"{tuple(getattr(scales, 'shape', ()))}")
+        if scales.device != k_cache.device:
+            raise ValueError(f"{name}: expected the cache's device {k_cache.device}, got {scales.device}")
+        kind = "token" if tuple(scales.shape) == per_token else "sequence"
+        if layout is not None and kind != layout:
+            raise ValueError(f"v_scale: expected k_scale's layout (per {layout}), got per {kind}")
+        layout = kind
+    return layout
 
 
 def _check_per_sequence(name: str, tensor, batch: int, device) -> None:
@@ -95,16 +129,28 @@ def _positions_of(block_table: torch.Tensor | None, block_size: int, positions: 
 
 
 def _append(cache: torch.Tensor, new: torch.Tensor, positions, block_table, block_size) -> None:
-    """Writes new (B, H_kv, L_new, D) at each sequence's positions (B, L_new), in place."""
+    """Writes new (B, H_kv, L_new, ...) at each sequence's positions (B, L_new), in place: into a cache
+    (B, H_kv, L_max, ...), or with `block_table`, into blocks (num_blocks, block_size, H_kv, ...)."""
     rows, offsets = _positions_of(block_table, block_size, positions)
-    tokens = new.permute(0, 2, 1, 3)  # (B, L_new, H_kv, D)
+    tokens = new.movedim(2, 1)  # (B, L_new, H_kv, ...)
     if block_table is None:
-        cache.permute(0, 2, 1, 3)[rows, offsets] = tokens  # the (B, L_max, H_kv, D) view of the buffer
+        cache.movedim(2, 1)[rows, offsets] = tokens  # the (B, L_max, H_kv, ...) view of the buffer
     else:
         cache[rows, offsets] = tokens
 
 
-def _chosen_backend(query, heads_kv, dim_k, dim_v, len_k, banded, scale, variant, backend):
+def _append_quantized(cache, scales, layout, new, positions, block_table, block_size) -> None:
+    """Quantizes new (B, H_kv, L_new, D) into an 8-bit cache (fused_attn.quantization): with per-token scales,
+    writes each key's scale at its position too; per-sequence scales (B, H_kv) are the caller's."""
+    if layout == "token":
+        new_scales = quantization.token_scales(new, cache.dtype)  # (B, H_kv, L_new)
+        _append(scales, new_scales, positions, block_table, block_size)
+    else:
+        new_scales = scales[:, :, None].expand(new.shape[:3])
+    _append(cache, quantization.quantize(new, new_scales, cache.dtype), positions, block_table, block_size)
+
+
+def _chosen_backend(query, heads_kv, dim_k, dim_v, len_k, banded, scale, variant, backend, cache_dtype):
     """The backend that runs the call's attention, chosen (and what it relies on checked) before anything
     is appended, so that a refused call leaves the cache as it was."""
     batch, heads_q, len_q, dim = query.shape
@@ -116,11 +162,13 @@ def _chosen_backend(query, heads_kv, dim_k, dim_v, len_k, banded, scale, variant
     problem = Problem(device=query.device, dtype=query.dtype, batch=batch, heads_q=heads_q, heads_kv=heads_kv,
                       len_q=len_q, len_k=len_k, head_dim_qk=dim, head_dim_v=dim_v, is_causal=False,
                       dropout_p=0.0, mask_dtype=torch.bool if banded else None, mask_requires_grad=False,
-                      has_key_padding_mask=True, score_features=variant.features(False))
+                      has_key_padding_mask=True, score_features=variant.features(False),
+                      cache_dtype=cache_dtype if cache_dtype in quantization.CACHE_DTYPES else None)
     return registry.choose(problem, backend)
 
 
-def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scale, variant, chosen):
+def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scale, variant, chosen, k_scale=None,
+                     v_scale=None):
     """`attention` over the paged cache's sequences, by the chosen backend's `forward_paged`: the kernels
     read the blocks in place where they take a block table (fused_attn.backends.base)."""
     batch, heads_q, len_q, dim = query.shape
@@ -130,13 +178,13 @@ def _paged_attention(query, k_blocks, v_blocks, block_table, mask, padding, scal
     out = output_like(query, v_blocks.shape[3], seq_first=False)
     scale = dim ** -0.5 if scale is None else float(scale)
     lse = chosen.forward_paged(query, k_blocks, v_blocks, block_table.contiguous(), mask, padding, False, scale, out,
-                               variant)
+                               variant, k_scale=k_scale, v_scale=v_scale)
     return out, lse
 
 
 def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cache_seqlens, cache_batch_idx=None,
-                           cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved=True, scale=None, is_causal=True, window_size=None, softcap=None,
+                           cache_leftpad=None, block_table=None, k_scale=None, v_scale=None, rotary_cos=None,
+                           rotary_sin=None, rotary_interleaved=True, scale=None, is_causal=True, window_size=None, softcap=None,
                            alibi_slopes=None, sinks=None, return_lse=False, backend=None):
     """Appends `key`/`value` to each sequence's cache, in place, and attends over the sequence.
 
@@ -145,7 +193,8 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         k_cache, v_cache: (B, H_kv, L_max, D) and (B, H_kv, L_max, D_v), any strides (a
             (B, L_max, H_kv, D) buffer passed as `.transpose(1, 2)` works, with no copy); with
             `cache_batch_idx`, (B_cache, H_kv, L_max, D) rows of any number; or, with `block_table`,
-            paged: (num_blocks, block_size, H_kv, D) blocks of any block size.
+            paged: (num_blocks, block_size, H_kv, D) blocks of any block size. Of query's dtype, or 8-bit
+            (torch.float8_e4m3fn or torch.int8, both alike) with `k_scale` and `v_scale`.
         key, value: (B, H_kv, L_new, D) and (B, H_kv, L_new, D_v), or None (nothing to append).
         cache_seqlens: int32 (B,): where each sequence's keys end in its cache row (or blocks) before
             the append; the new keys go there.
@@ -155,6 +204,11 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             only), at most cache_seqlens; the keys before it are never seen. Positions stay those of
             the row (windows, ALiBi, rotary).
         block_table: int32 (B, max_blocks): the cache blocks of each sequence, in order.
+        k_scale, v_scale: an 8-bit cache's float32 scales (fused_attn.quantization), both in one layout:
+            per sequence and kv head, (cache rows, H_kv) for a dense cache ((B, H_kv) for a paged one),
+            the caller's, which the appended keys are quantized with; or per token and kv head, the cache's
+            layout without D ((B, H_kv, L_max) or (num_blocks, block_size, H_kv), any strides), each written
+            with its key when it is appended. Key j of a row stands for its 8-bit values times its scale.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) of query's dtype or float32, or None:
             the rotary embedding (fused_attn.rotary) of the first rotary_dim dimensions of the new
             keys, at positions cache_seqlens + i, before they are stored, and of the queries: at
@@ -185,6 +239,7 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
                          "block of its first key)")
     _check_cache("k_cache", k_cache, paged, query)
     _check_cache("v_cache", v_cache, paged, query)
+    scale_layout = _check_scales(k_cache, v_cache, k_scale, v_scale, paged, batch)
     _check_per_sequence("cache_seqlens", cache_seqlens, batch, query.device)
     for name, tensor in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if tensor is not None:
@@ -230,7 +285,8 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
     kernel_sinks = None if alibi_slopes is not None else sinks
     kernel_variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, kernel_sinks)
     chosen = _chosen_backend(query, k_cache.shape[2] if paged else k_cache.shape[1], k_cache.shape[3],
-                             v_cache.shape[3], capacity, left >= 0 or right >= 0, scale, kernel_variant, backend)
+                             v_cache.shape[3], capacity, left >= 0 or right >= 0, scale, kernel_variant, backend,
+                             k_cache.dtype)
 
     with torch.no_grad():
         if key is not None:
@@ -268,14 +324,30 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             used = torch.arange(block_table.shape[1], device=query.device)[None, :] * block_size < lengths[:, None]
             assert_on_device(((block_table >= 0) & (block_table < k_cache.shape[0]) | ~used).all(),
                              f"block_table: every block holding a sequence's keys must lie in [0, {k_cache.shape[0]})")
-        if cache_batch_idx is not None:
+        if scale_layout == "sequence" and len_new > 0:  # the appended keys are divided by them
+            for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+                assert_on_device(((scales > 0) & scales.isfinite()).all(),
+                                 f"{name}: per-sequence scales must be positive and finite to quantize the appended "
+                                 f"keys and values with")
+        if scale_layout == "sequence" and cache_batch_idx is not None:  # the scales of the sequences' rows
+            k_scale, v_scale = k_scale[cache_batch_idx.long()], v_scale[cache_batch_idx.long()]
+        if cache_batch_idx is not None or (scale_layout is not None and not paged):
+            rows_used = cache_batch_idx if cache_batch_idx is not None else \
+                torch.arange(batch, dtype=torch.int32, device=query.device)
             if capacity > 0:
                 # Each row as a paged cache's one block of L_max keys: every kernel that takes a block
-                # table reads the named rows in place, and the append writes through the same view.
+                # table reads the named rows in place, and the append writes through the same view (an
+                # 8-bit cache is read by forward_paged alone).
                 k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-                block_table, block_size, paged = cache_batch_idx[:, None], capacity, True
+                if scale_layout == "token":
+                    k_scale, v_scale = k_scale.transpose(1, 2), v_scale.transpose(1, 2)
+                block_table, block_size, paged = rows_used[:, None], capacity, True
             else:  # rows without keys: nothing to read or write
-                k_cache, v_cache = k_cache[cache_batch_idx.long()], v_cache[cache_batch_idx.long()]
+                k_cache, v_cache = k_cache[rows_used.long()], v_cache[rows_used.long()]
+                if scale_layout is not None:
+                    k_cache = k_cache.new_empty(k_cache.shape, dtype=query.dtype)
+                    v_cache = v_cache.new_empty(v_cache.shape, dtype=query.dtype)
+                    scale_layout = None
         if rotary_cos is not None:
             steps = torch.arange(len_q, device=query.device) if queries_in_order else \
                 torch.zeros(len_q, dtype=torch.long, device=query.device)
@@ -284,8 +356,12 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             positions = starts[:, None] + torch.arange(len_new, device=query.device)
             if rotary_cos is not None:  # stored turned: later steps read them as they are
                 key = rotary.rotate(key, rotary_cos, rotary_sin, positions, rotary_interleaved)
-            _append(k_cache, key, positions, block_table, block_size)
-            _append(v_cache, value, positions, block_table, block_size)
+            if scale_layout is None:
+                _append(k_cache, key, positions, block_table, block_size)
+                _append(v_cache, value, positions, block_table, block_size)
+            else:
+                _append_quantized(k_cache, k_scale, scale_layout, key, positions, block_table, block_size)
+                _append_quantized(v_cache, v_scale, scale_layout, value, positions, block_table, block_size)
 
         len_k = capacity
         key_index = torch.arange(len_k, device=query.device)
@@ -305,7 +381,7 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             mask = visible[:, None]
         if paged:
             out, lse = _paged_attention(query, k_cache, v_cache, block_table, mask, padding, scale, kernel_variant,
-                                        chosen)
+                                        chosen, *((k_scale, v_scale) if scale_layout is not None else ()))
         else:
             out, lse = attention(query, k_cache, v_cache, mask, scale=scale,
                                  enable_gqa=query.shape[1] != k_cache.shape[1], key_padding_mask=padding,

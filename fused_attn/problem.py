@@ -43,6 +43,7 @@ class Problem(NamedTuple):
     has_key_padding_mask: bool
     score_features: tuple[str, ...] = ()  # what the call's ScoreVariant asks (fused_attn.scores.FEATURES)
     varlen: bool = False  # a packed batch of sequences (fused_attn.varlen); lengths are the largest possible
+    cache_dtype: torch.dtype | None = None  # an 8-bit key/value cache's dtype (fused_attn.quantization)
 
     @classmethod
     def of(cls, query, key, value, attn_mask, key_padding_mask, is_causal, dropout_p,

@@ -35,6 +35,9 @@ class Backend:
     takes_score_variants: frozenset[str] = frozenset()
     # Packed batches of sequences (fused_attn.varlen): `forward_varlen` / `backward_varlen`.
     takes_varlen: bool = False
+    # 8-bit key/value caches (fused_attn.quantization) read by the kernels in place through `forward_paged`;
+    # the other backends run on a dequantized copy.
+    reads_quantized_cache: bool = False
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run at all here (missing build, library...), or None."""
@@ -107,16 +110,33 @@ class Backend:
         raise NotImplementedError
 
     def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal: bool,
-                      scale: float, out: torch.Tensor, variant: ScoreVariant = PLAIN) -> torch.Tensor:
+                      scale: float, out: torch.Tensor, variant: ScoreVariant = PLAIN, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` over a paged key/value cache (fused_attn.kvcache): key and value are blocks
         (num_blocks, block_size, H_kv, D), key j of batch row b is row j % block_size of block
         `block_table[b, j // block_size]` (int32 (B, max_blocks), unit stride along the blocks); L_k is
         max_blocks · block_size, and `key_padding_mask` hides every key past each row's end, whose
-        blocks need not be valid indices. No dropout (inference). By default the blocks are gathered
-        into a dense (B, H_kv, L_k, D) copy for `forward` (the definition; backends whose kernels read
-        the block table override it)."""
-        key, value = (packed.gathered_blocks(blocks, block_table, key_padding_mask) for blocks in (k_blocks, v_blocks))
+        blocks need not be valid indices. No dropout (inference).
+
+        An 8-bit cache (fused_attn.quantization: float8_e4m3fn or int8 blocks) comes with its float32
+        scales, each either (B, H_kv), one per sequence and kv head, or (num_blocks, block_size, H_kv), one
+        per stored key and head in the blocks' layout (any strides); key j stands for its 8-bit values
+        times its scale. None: blocks of the query's dtype.
+
+        By default the blocks are gathered into a dense (B, H_kv, L_k, D) copy, dequantized into the
+        query's dtype, for `forward` (the definition; backends whose kernels read the block table
+        override it)."""
+        key, value = (packed.gathered_cache(blocks, scales, block_table, key_padding_mask, query.dtype)
+                      for blocks, scales in ((k_blocks, k_scale), (v_blocks, v_scale)))
         return self.forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, None, variant)
+
+    def notes(self, problem: Problem) -> list[str]:
+        """What the backend does differently from the kernels' direct path for `problem`, though it runs it
+        (e.g. an 8-bit cache dequantized into a copy): the registry reports them with its choices."""
+        if problem.cache_dtype is not None and not self.reads_quantized_cache:
+            return [f"dequantizes the {str(problem.cache_dtype).removeprefix('torch.')} key/value cache into a "
+                    f"{str(problem.dtype).removeprefix('torch.')} copy before its kernels run"]
+        return []
 
     def forward_varlen(self, query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                        is_causal: bool, scale: float, out: torch.Tensor, lse: torch.Tensor,

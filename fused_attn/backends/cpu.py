@@ -28,7 +28,10 @@ class CpuBackend(ExtensionBackend):
     takes_varlen = True
 
     def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal, scale, out,
-                      variant=PLAIN):
+                      variant=PLAIN, k_scale=None, v_scale=None):
         self.check_variant(variant, is_causal)
+        if k_scale is not None:  # an 8-bit cache: dequantized (Backend.forward_paged)
+            return super().forward_paged(query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal,
+                                         scale, out, variant, k_scale, v_scale)
         return torch.ops.fused_attn.paged_forward(query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask,
                                                   is_causal, scale, out, *variant.op_args())

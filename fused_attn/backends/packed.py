@@ -15,6 +15,7 @@ import torch
 
 from ..dropout import Dropout, shifted_rng
 from ..masks import TILE
+from ..quantization import dequantize
 from ..scores import ScoreVariant
 
 
@@ -81,11 +82,29 @@ def backward(backend, query, key, value, cu_seqlens_q, cu_seqlens_k, is_causal, 
     return grads
 
 
+def _gathered(blocks: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The blocks of each row of `block_table`, (B, H_kv, max_blocks · block_size, ...); entries that are no block
+    index read block 0."""
+    table = block_table.long()
+    table = table.where((table >= 0) & (table < blocks.shape[0]), 0)
+    return blocks[table].flatten(1, 2).transpose(1, 2)
+
+
 def gathered_blocks(blocks: torch.Tensor, block_table: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
     """The (B, H_kv, max_blocks · block_size, D) dense copy of a paged cache's sequences, zeros where
     `key_padding_mask` (B, L_k) hides a key: what lies past a sequence's end, even NaN or a table entry
     that is no block index, never reaches the result."""
-    table = block_table.long()
-    table = table.where((table >= 0) & (table < blocks.shape[0]), 0)
-    dense = blocks[table].flatten(1, 2).transpose(1, 2)
-    return dense.masked_fill(key_padding_mask[:, None, :, None], 0)
+    return _gathered(blocks, block_table).masked_fill(key_padding_mask[:, None, :, None], 0)
+
+
+def gathered_cache(blocks, scales, block_table, key_padding_mask, dtype) -> torch.Tensor:
+    """`gathered_blocks` of a paged cache, dequantized into `dtype` where it is 8-bit: `scales` (B, H_kv), one
+    per sequence and head, or (num_blocks, block_size, H_kv), one per stored key and head (Backend.forward_paged)."""
+    if scales is None:
+        return gathered_blocks(blocks, block_table, key_padding_mask)
+    dense = _gathered(blocks, block_table)
+    if scales.dim() == 2:
+        dense_scales = scales[:, :, None].expand(dense.shape[:3])
+    else:
+        dense_scales = _gathered(scales, block_table)
+    return dequantize(dense, dense_scales, dtype).masked_fill(key_padding_mask[:, None, :, None], 0)

@@ -97,8 +97,11 @@ class TritonBackend(Backend):
                                dropout, variant)
 
     def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal, scale, out,
-                      variant=PLAIN):
+                      variant=PLAIN, k_scale=None, v_scale=None):
         self.check_variant(variant, is_causal)
+        if k_scale is not None:  # an 8-bit cache: dequantized (Backend.forward_paged)
+            return super().forward_paged(query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal,
+                                         scale, out, variant, k_scale, v_scale)
         if variant.block_tiles is not None:  # attention_with_kvcache passes none
             raise ValueError("triton: block_tiles: forward_paged takes no mask program (forward does)")
         kernels = _kernels()
