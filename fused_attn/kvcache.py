@@ -324,13 +324,13 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             used = torch.arange(block_table.shape[1], device=query.device)[None, :] * block_size < lengths[:, None]
             assert_on_device(((block_table >= 0) & (block_table < k_cache.shape[0]) | ~used).all(),
                              f"block_table: every block holding a sequence's keys must lie in [0, {k_cache.shape[0]})")
+        if scale_layout == "sequence" and cache_batch_idx is not None:  # the scales of the sequences' rows
+            k_scale, v_scale = k_scale[cache_batch_idx.long()], v_scale[cache_batch_idx.long()]
         if scale_layout == "sequence" and len_new > 0:  # the appended keys are divided by them
             for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
                 assert_on_device(((scales > 0) & scales.isfinite()).all(),
-                                 f"{name}: per-sequence scales must be positive and finite to quantize the appended "
-                                 f"keys and values with")
-        if scale_layout == "sequence" and cache_batch_idx is not None:  # the scales of the sequences' rows
-            k_scale, v_scale = k_scale[cache_batch_idx.long()], v_scale[cache_batch_idx.long()]
+                                 f"{name}: the sequences' scales must be positive and finite to quantize the "
+                                 f"appended keys and values with")
         if cache_batch_idx is not None or (scale_layout is not None and not paged):
             rows_used = cache_batch_idx if cache_batch_idx is not None else \
                 torch.arange(batch, dtype=torch.int32, device=query.device)

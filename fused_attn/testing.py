@@ -39,7 +39,13 @@ def strided(values: torch.Tensor, layout: str) -> torch.Tensor:
     elif layout == "seq_first":  # (L, B, H, D): a head split of an (L, B, E) tensor
         storage, order = values.new_empty(length, b, h, d), (1, 2, 0, 3)
     elif layout == "packed":  # the middle slice of a packed (B, L, 3, H, D + 1) projection
-        packed = values.new_full((b, length, 3, h, d + 1), float("nan"))
+        packed = values.new_empty((b, length, 3, h, d + 1))
+        # NaN around the slice (for an 8-bit cache, bytes no quantized value has: fp8's NaN, int8's -128).
+        unseen = {torch.float8_e4m3fn: 0x7F, torch.int8: 0x80}.get(values.dtype)
+        if unseen is None:
+            packed.fill_(float("nan"))
+        else:
+            packed.view(torch.uint8).fill_(unseen)
         view = packed[:, :, 1, :, :d].permute(0, 2, 1, 3)
         view.copy_(values)
         return view

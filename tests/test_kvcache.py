@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn import testing
+from fused_attn import quantization, testing
 
 HEADS_Q, HEADS_KV, DIM = 4, 2, 16
 
@@ -83,19 +83,39 @@ def test_dense_cache_appends_in_place_and_attends(generator, dtype, len_q, len_n
     check(actual, query, expected_k, expected_v, lengths, is_causal=True, alibi_slopes=slopes, **options)
 
 
-def paged_copy(generator, dense_k, dense_v, block_size, spare_blocks=5):
+def unseen_value(dtype: torch.dtype):
+    """What fills memory no call may read: NaN, or for int8 (no NaN) -128, which no quantized value is."""
+    return -128 if dtype == torch.int8 else float("nan")
+
+
+def fill(values: torch.Tensor, index, value) -> None:
+    """values[index] = value, also for float8 tensors (filled through their bytes: torch has no fill for them)."""
+    if values.dtype == torch.float8_e4m3fn:
+        values.view(torch.uint8)[index] = torch.tensor(value).to(values.dtype).view(torch.uint8)
+    else:
+        values[index] = value
+
+
+def paged_copy(generator, dense_k, dense_v, block_size, spare_blocks=5, scales=()):
     """The dense caches (B, H_kv, capacity, D) scattered into shuffled blocks of a paged cache, with spare
-    blocks nobody owns (NaN): (k_blocks, v_blocks, block_table)."""
+    blocks nobody owns (NaN): (k_blocks, v_blocks, block_table); then, for each per-token scale tensor of
+    `scales` (B, H_kv, capacity), its blocks (num_blocks, block_size, H_kv), strided (every other float)."""
     batch, heads_kv, capacity, _ = dense_k.shape
     max_blocks = capacity // block_size
     num_blocks = batch * max_blocks + spare_blocks
     block_table = torch.randperm(num_blocks, generator=generator)[:batch * max_blocks].view(batch, max_blocks)
     blocks = []
     for dense in (dense_k, dense_v):
-        paged = torch.full((num_blocks, block_size, heads_kv, dense.shape[3]), float("nan"), dtype=dense.dtype)
+        paged = torch.empty((num_blocks, block_size, heads_kv, dense.shape[3]), dtype=dense.dtype)
+        fill(paged, ..., unseen_value(dense.dtype))
         paged[block_table] = dense.transpose(1, 2).unflatten(1, (max_blocks, block_size))
         blocks.append(paged)
-    return blocks[0], blocks[1], block_table.int()
+    scale_blocks = []
+    for dense in scales:
+        paged = torch.full((num_blocks, block_size, heads_kv, 2), float("nan"))[..., 0]
+        paged[block_table] = dense.transpose(1, 2).unflatten(1, (max_blocks, block_size))
+        scale_blocks.append(paged)
+    return blocks[0], blocks[1], block_table.int(), *scale_blocks
 
 
 # (block size, L_q, capacity, dtype): blocks of one key, blocks that split the kernels' key blocks, decode and
@@ -290,13 +310,19 @@ def test_rotary_turns_each_pair_by_its_angle(generator):
 def run_cache_options(generator, backend, dtype, *, len_q, len_new, batch=3, capacity=24, heads_kv=2,
                       batch_idx=False, duplicate_rows=False, leftpad=False, rotary=None, rotary_dim=DIM,
                       table_dtype=None, is_causal=True, window_size=None, softcap=None, alibi=False, sinks=False,
-                      block_size=None, return_lse=True, layouts=("heads_inner", "contiguous", "reversed")):
+                      block_size=None, return_lse=True, layouts=("heads_inner", "contiguous", "reversed"),
+                      cache_dtype=None, scale_layout="token"):
     """One call with flash-attn's cache options, against the definition written out here: the cache rows
     gathered, the rotary applied by `rope` at flash-attn's positions (new key i at cache_seqlens + i; query
     i there too under a causal or windowed mask, else every query at cache_seqlens), the sequence's keys
     cache_leftpad .. cache_seqlens + L_new attended bottom-right aligned. The whole cache after the append
     is compared exactly: rows no sequence names are NaN, so reading them would show in the output, and
-    they must stay NaN."""
+    they must stay NaN.
+
+    With an 8-bit `cache_dtype` the cache holds random 8-bit values and float32 scales in `scale_layout`
+    ("token": (rows, H_kv, capacity), as a (rows, capacity, H_kv) buffer; "sequence": (rows, H_kv)); the new keys
+    are stored as `stored_as` says, and the definition attends over the dequantized cache in the query's dtype.
+    Memory no call may read holds NaN scales (and NaN fp8 values)."""
     rows = batch + 2 if batch_idx else batch
     in_order = is_causal or (window_size is not None and tuple(window_size) != (-1, -1))
     reach = max(len_new, len_q if in_order else min(len_q, 1)) if rotary else len_new  # positions past the start
@@ -314,21 +340,38 @@ def run_cache_options(generator, backend, dtype, *, len_q, len_new, batch=3, cap
             starts[2] = max(int(starts[2]), int(leftpads[0]))
     row_of = idx.long() if batch_idx else torch.arange(batch)
 
-    k_values = torch.randn(rows, heads_kv, capacity, DIM, generator=generator).to(dtype)
-    v_values = torch.randn(rows, heads_kv, capacity, DIM, generator=generator).to(dtype)
+    quantized = cache_dtype is not None
+    k_values, v_values = (random_cache_values(generator, (rows, heads_kv, capacity, DIM), cache_dtype or dtype)
+                          for _ in range(2))
+    scales = ()
+    if quantized:
+        shape = (rows, heads_kv, capacity) if scale_layout == "token" else (rows, heads_kv)
+        scales = tuple(torch.rand(shape, generator=generator) * 0.02 + 0.002 for _ in range(2))
     unnamed = torch.ones(rows, dtype=torch.bool)
     unnamed[row_of] = False
-    k_values[unnamed], v_values[unnamed] = float("nan"), float("nan")
+    for values in (k_values, v_values):
+        fill(values, unnamed, unseen_value(values.dtype))
+    for scale in scales:
+        scale[unnamed] = float("nan")
     if leftpad:
         # The keys before each start: NaN (keys) and inf (values) for the kernels, which never load them;
         # the reference backend reads whole rows, masked, so for it they are large finite values, which
-        # would swamp the output if they were seen.
+        # would swamp the output if they were seen. An 8-bit cache is read by every backend as blocks,
+        # masked before anything is computed: its values there are the largest it holds, its scales NaN.
         for b, pad in enumerate(leftpads.tolist()):
             for values, poison in ((k_values, float("nan")), (v_values, float("inf"))):
-                values[row_of[b], :, :pad] = poison if backend != "reference" else \
-                    50 * torch.randn(heads_kv, pad, DIM, generator=generator).to(dtype)
+                if quantized:
+                    fill(values, (row_of[b], slice(None), slice(None, pad)), quantization.LARGEST[cache_dtype])
+                else:
+                    values[row_of[b], :, :pad] = poison if backend != "reference" else \
+                        50 * torch.randn(heads_kv, pad, DIM, generator=generator).to(dtype)
+            if quantized and scale_layout == "token":
+                for scale in scales:
+                    scale[row_of[b], :, :pad] = float("nan")
     query = testing.strided(torch.randn(batch, HEADS_Q, len_q, DIM, generator=generator).to(dtype), layouts[0])
     k_cache, v_cache = testing.strided(k_values, layouts[1]), testing.strided(v_values, layouts[2])
+    if quantized and scale_layout == "token":  # as a (rows, capacity, H_kv) buffer
+        scales = tuple(scale.transpose(1, 2).contiguous().transpose(1, 2) for scale in scales)
     new_k = torch.randn(batch, heads_kv, len_new, DIM, generator=generator).to(dtype)
     new_v = torch.randn(batch, heads_kv, len_new, DIM, generator=generator).to(dtype)
 
@@ -343,9 +386,19 @@ def run_cache_options(generator, backend, dtype, *, len_q, len_new, batch=3, cap
         k_stored = rope(new_k, cos, sin, key_positions, rotary == "interleaved")
         q_seen = rope(query, cos, sin, starts.long()[:, None] + query_steps, rotary == "interleaved")
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_scales = tuple(scale.clone() for scale in scales)
     for b, start in enumerate(starts.tolist()):
-        expected_k[row_of[b], :, start:start + len_new] = k_stored[b]
-        expected_v[row_of[b], :, start:start + len_new] = new_v[b]
+        for expected, new, index in ((expected_k, k_stored, 0), (expected_v, new_v, 1)):
+            if not quantized:
+                expected[row_of[b], :, start:start + len_new] = new[b]
+                continue
+            if scale_layout == "token":
+                scale = new[b].float().abs().amax(-1) / quantization.LARGEST[cache_dtype]
+                scale = torch.where(scale > 0, scale, 1.0)
+                expected_scales[index][row_of[b], :, start:start + len_new] = scale
+            else:
+                scale = scales[index][row_of[b]][:, None].expand(heads_kv, len_new)
+            expected[row_of[b], :, start:start + len_new] = stored_as(new[b], scale, cache_dtype)
 
     slopes = torch.rand(batch, HEADS_Q, generator=generator) if alibi else None
     sink_values = torch.randn(HEADS_Q, generator=generator) * 2 + 1 if sinks else None
@@ -353,20 +406,58 @@ def run_cache_options(generator, backend, dtype, *, len_q, len_new, batch=3, cap
                    sinks=sink_values)
     call = dict(cache_seqlens=starts, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary == "interleaved",
                 return_lse=return_lse, backend=backend, **options)
+    if quantized:
+        call.update(k_scale=scales[0], v_scale=scales[1])
     appended = (new_k, new_v) if len_new else (None, None)
     if block_size is not None:
-        k_blocks, v_blocks, block_table = paged_copy(generator, k_cache, v_cache, block_size)
+        k_blocks, v_blocks, block_table, *scale_blocks = paged_copy(
+            generator, k_cache, v_cache, block_size, scales=scales if scale_layout == "token" else ())
+        if scale_blocks:
+            call.update(k_scale=scale_blocks[0], v_scale=scale_blocks[1])
         actual = fused_attn.attention_with_kvcache(query, k_blocks, v_blocks, *appended, block_table=block_table,
                                                    **call)
-        k_cache, v_cache = (blocks[block_table.long()].flatten(1, 2).transpose(1, 2) for blocks in (k_blocks, v_blocks))
+        k_cache, v_cache, *seen_scales = (blocks[block_table.long()].flatten(1, 2).transpose(1, 2)
+                                          for blocks in (k_blocks, v_blocks, *scale_blocks))
+        if scale_blocks:
+            scales = tuple(seen_scales)
     else:
         actual = fused_attn.attention_with_kvcache(query, k_cache, v_cache, *appended,
                                                    cache_batch_idx=idx if batch_idx else None,
                                                    cache_leftpad=leftpads, **call)
-    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+    for stored, expected in zip((k_cache, v_cache, *scales), (expected_k, expected_v, *expected_scales)):
+        assert stored.dtype == expected.dtype
+        if stored.element_size() == 1:  # compared as bytes: NaN and -128 must stay as they were
+            stored, expected = stored.view(torch.uint8), expected.view(torch.uint8)
+        torch.testing.assert_close(stored, expected, rtol=0, atol=0, equal_nan=True)
+    if quantized:
+        expected_k, expected_v = (dequantized(values, scale, dtype) for values, scale in
+                                  zip((expected_k, expected_v), expected_scales))
     check(actual if return_lse else (actual, None), q_seen, expected_k[row_of], expected_v[row_of],
           starts + len_new, leftpads, **options)
+
+
+def random_cache_values(generator, shape, dtype):
+    """Cache contents of `dtype`: normal values, or for an 8-bit cache, values spread over its whole range."""
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
+    if dtype == torch.float8_e4m3fn:
+        return (torch.randn(shape, generator=generator) * 64).clamp(-448, 448).to(dtype)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def stored_as(new, scale, dtype):
+    """README's quantization of new keys (..., D) under `scale` (...): new / scale in float32, saturated at the
+    format's largest magnitude, rounded to nearest (ties to even)."""
+    largest = quantization.LARGEST[dtype]
+    ratio = torch.clamp(new.float() / scale[..., None], -largest, largest)
+    return (ratio.round() if dtype == torch.int8 else ratio).to(dtype)
+
+
+def dequantized(values, scale, dtype):
+    """The 8-bit cache `values` (rows, H_kv, L, D) under `scale` (rows, H_kv, L) or (rows, H_kv), in `dtype`."""
+    if scale.dim() == 2:
+        scale = scale[:, :, None]
+    return (values.float() * scale[..., None]).to(dtype)
 
 
 CACHE_OPTION_CASES = {
@@ -387,6 +478,18 @@ CACHE_OPTION_CASES = {
     "paged_rotary_alibi_sinks_softcap": dict(len_q=4, len_new=4, block_size=4, rotary="halves", rotary_dim=12,
                                              alibi=True, sinks=True, softcap=4.0),
     "paged_decode_rotary_window": dict(len_q=1, len_new=1, block_size=3, rotary="interleaved", window_size=(7, -1)),
+    "int8_tokens_rows_leftpad_rotary": dict(len_q=3, len_new=2, batch_idx=True, leftpad=True, rotary="halves",
+                                            cache_dtype=torch.int8),
+    "fp8_sequences_rows_decode_alibi_sinks": dict(len_q=1, len_new=1, batch_idx=True, alibi=True, sinks=True,
+                                                  cache_dtype=torch.float8_e4m3fn, scale_layout="sequence"),
+    "int8_sequences_window_softcap_mqa": dict(len_q=4, len_new=3, is_causal=False, window_size=(5, 1), softcap=3.0,
+                                              heads_kv=1, cache_dtype=torch.int8, scale_layout="sequence"),
+    "fp8_tokens_paged_rotary_alibi": dict(len_q=2, len_new=2, block_size=4, rotary="interleaved", alibi=True,
+                                          cache_dtype=torch.float8_e4m3fn),
+    "int8_sequences_paged_decode_softcap": dict(len_q=1, len_new=1, block_size=3, softcap=2.0,
+                                                cache_dtype=torch.int8, scale_layout="sequence"),
+    "fp8_tokens_shared_rows_no_append": dict(len_q=2, len_new=0, batch_idx=True, duplicate_rows=True, leftpad=True,
+                                             is_causal=False, cache_dtype=torch.float8_e4m3fn),
 }
 
 
@@ -420,7 +523,9 @@ def drawn_cache_options(generator) -> dict:
                 window_size=window_size, softcap=pick([None, 2.5]),
                 alibi=(len_q == 1 or causal_band) and pick([False, True]), sinks=pick([False, True]),
                 block_size=pick([1, 3, 8]) if paged else None, return_lse=pick([True, True, False]),
-                layouts=tuple(pick(testing.LAYOUTS) for _ in range(3)))
+                layouts=tuple(pick(testing.LAYOUTS) for _ in range(3)),
+                cache_dtype=pick([None, None, torch.int8, torch.float8_e4m3fn]),
+                scale_layout=pick(["token", "sequence"]))
 
 
 @pytest.mark.parametrize("backend, dtype, seeds", [("cpu", torch.float32, 24), ("cpu", torch.bfloat16, 12),
@@ -524,3 +629,105 @@ def test_bad_cache_options_are_named_and_leave_the_cache(generator, change, erro
         assert all(torch.equal(cache, kept) for cache, kept in zip(caches, before))
     valid = cache_option_arguments(generator)
     fused_attn.attention_with_kvcache(valid.pop("query"), **valid, backend="cpu")
+
+
+def quantized_arguments(generator, cache_dtype=torch.int8, layout="token"):
+    """A valid call on an 8-bit cache: B = 3 sequences in rows (4, 0, 2) of a 5-row cache, two new keys each."""
+    arguments = cache_option_arguments(generator)
+    del arguments["rotary_cos"], arguments["rotary_sin"], arguments["cache_leftpad"]
+    for name in ("k_cache", "v_cache"):
+        arguments[name] = random_cache_values(generator, arguments[name].shape, cache_dtype)
+    shape = (5, HEADS_KV, 24) if layout == "token" else (5, HEADS_KV)
+    arguments["k_scale"], arguments["v_scale"] = torch.rand(shape) + 0.01, torch.rand(shape) + 0.01
+    return arguments
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(k_cache=torch.zeros(5, HEADS_KV, 24, DIM, dtype=torch.uint8)), TypeError, "k_cache"),
+    (dict(v_cache=torch.zeros(5, HEADS_KV, 24, DIM, dtype=torch.float16)), TypeError, "v_cache"),
+    (dict(v_cache=torch.zeros(5, HEADS_KV, 24, DIM, dtype=torch.float8_e4m3fn)), TypeError, "v_cache"),
+    (dict(k_scale=None), ValueError, "k_scale"),
+    (dict(v_scale=torch.ones(5, HEADS_KV, 24, dtype=torch.float16)), ValueError, "v_scale"),
+    (dict(k_scale=torch.ones(5, HEADS_KV, 23)), ValueError, "k_scale"),
+    (dict(k_scale=torch.ones(3, HEADS_KV)), ValueError, "k_scale"),  # per row of the cache, not per sequence
+    (dict(v_scale=torch.ones(5, HEADS_KV)), ValueError, "v_scale"),  # k_scale is per token
+    (dict(k_scale=torch.ones(5, HEADS_KV, 24, device="meta")), ValueError, "k_scale"),
+    # Scales of a per-sequence layout quantize the appended keys: a named row's must be positive and finite.
+    (dict(k_scale=torch.tensor([[1.0, 1.0]] * 4 + [[0.0, 1.0]]), v_scale=torch.ones(5, HEADS_KV)), ValueError,
+     "k_scale"),
+    (dict(k_scale=torch.ones(5, HEADS_KV), v_scale=torch.tensor([[1.0, 1.0]] * 2 + [[float("nan"), 1.0]] * 3)),
+     ValueError, "v_scale"),
+    (dict(cache_batch_idx=int32(4, 0, 5)), ValueError, "cache_batch_idx"),
+])
+def test_bad_quantized_caches_are_named_and_leave_the_cache(generator, change, error, message):
+    arguments = quantized_arguments(generator)
+    arguments.update(change)
+    query = arguments.pop("query")
+    kept = {name: arguments[name].clone() for name in ("k_cache", "v_cache", "k_scale", "v_scale")
+            if isinstance(arguments[name], torch.Tensor) and arguments[name].device.type == "cpu"}
+    for backend in ("cpu", "reference"):
+        with pytest.raises(error, match=message):
+            fused_attn.attention_with_kvcache(query, **{"backend": backend, **arguments})
+        for name, before in kept.items():
+            assert torch.equal(arguments[name].view(torch.uint8), before.view(torch.uint8)), name  # NaN too
+    for cache_dtype in quantization.CACHE_DTYPES:
+        for layout in ("token", "sequence"):
+            valid = quantized_arguments(generator, cache_dtype, layout)
+            fused_attn.attention_with_kvcache(valid.pop("query"), **valid, backend="cpu")
+
+
+def test_scales_are_refused_with_a_cache_of_the_query_dtype(generator):
+    arguments = cache_option_arguments(generator)
+    with pytest.raises(ValueError, match="k_scale"):
+        fused_attn.attention_with_kvcache(arguments.pop("query"), **arguments, k_scale=torch.ones(5, HEADS_KV),
+                                          v_scale=torch.ones(5, HEADS_KV))
+
+
+@pytest.mark.parametrize("cache_dtype, layout, bound", [
+    (torch.int8, "token", 0.02), (torch.int8, "sequence", 0.04),
+    (torch.float8_e4m3fn, "token", 0.08), (torch.float8_e4m3fn, "sequence", 0.1)], ids=str)
+def test_quantization_error_against_a_bf16_cache(generator, cache_dtype, layout, bound):
+    """The error the 8-bit format itself adds, measured against the same keys in a bf16 cache (both filled by
+    appends of the same keys, attended by fp32 math of the same bf16 queries): bounded by what the format's
+    precision allows (int8: 1/254 of the range per value; e4m3: 2^-4 relative), relative to the output's scale."""
+    batch, capacity, length = 2, 256, 200
+    query = torch.randn(batch, HEADS_Q, 1, DIM, generator=generator).to(torch.bfloat16)
+    keys = torch.randn(batch, HEADS_KV, length, DIM, generator=generator).to(torch.bfloat16)
+    values = torch.randn(batch, HEADS_KV, length, DIM, generator=generator).to(torch.bfloat16)
+    lengths = torch.zeros(batch, dtype=torch.int32)
+    bf16_cache = [torch.zeros(batch, HEADS_KV, capacity, DIM, dtype=torch.bfloat16) for _ in range(2)]
+    cache = [torch.zeros(batch, HEADS_KV, capacity, DIM, dtype=cache_dtype) for _ in range(2)]
+    shape = (batch, HEADS_KV, capacity) if layout == "token" else (batch, HEADS_KV)
+    # A per-sequence scale is the caller's: here each head's largest magnitude over the keys to come.
+    scales = [torch.ones(shape) if layout == "token" else
+              tensor.float().abs().amax(dim=(2, 3)) / quantization.LARGEST[cache_dtype] for tensor in (keys, values)]
+    fused_attn.attention_with_kvcache(query, *bf16_cache, keys, values, cache_seqlens=lengths, backend="reference")
+    fused_attn.attention_with_kvcache(query, *cache, keys, values, cache_seqlens=lengths, k_scale=scales[0],
+                                      v_scale=scales[1], backend="reference")
+    lengths += length
+    exact = fused_attn.attention_with_kvcache(query.double(), *(c.double() for c in bf16_cache), cache_seqlens=lengths,
+                                              backend="reference")
+    eight_bit = fused_attn.attention_with_kvcache(query.double(), *(dequantized(c, s, torch.float64)
+                                                                    for c, s in zip(cache, scales)),
+                                                  cache_seqlens=lengths, backend="reference")
+    error = (eight_bit - exact).abs().max() / exact.abs().max()
+    assert 0 < error < bound, f"{cache_dtype} ({layout} scales): relative error {error:.4f}"
+
+
+def test_registry_says_which_backends_dequantize_an_8bit_cache():
+    """cuda and reference run on a dequantized copy and say so; the backends whose kernels read 8-bit values
+    say nothing of the kind."""
+    from fused_attn.backends import registry
+    from fused_attn.problem import Problem
+
+    problem = Problem(device=torch.device("cpu"), dtype=torch.bfloat16, batch=1, heads_q=4, heads_kv=2, len_q=1,
+                      len_k=64, head_dim_qk=DIM, head_dim_v=DIM, is_causal=False, dropout_p=0.0, mask_dtype=None,
+                      mask_requires_grad=False, has_key_padding_mask=True, cache_dtype=torch.int8)
+    verdicts = registry.explain(problem)
+    assert "dequantizes the int8 key/value cache into a bfloat16 copy" in verdicts["reference"]
+    for name in registry.names():
+        backend = registry.get(name)
+        notes = backend.notes(problem)
+        assert (not notes) == backend.reads_quantized_cache, name
+        assert backend.notes(problem._replace(cache_dtype=None)) == [], name
+    assert not registry.get("cuda").reads_quantized_cache

@@ -112,6 +112,20 @@ def reasons(backend: Backend, problem: Problem) -> list[str]:
     return backend.refusals(problem)
 
 
+def _verdict(backend: Backend, problem: Problem) -> str:
+    refused = reasons(backend, problem)
+    if refused:
+        return ", ".join(refused)
+    notes = backend.notes(problem)
+    return "can run it" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def explain(problem: Problem) -> dict[str, str]:
+    """Each backend's verdict on `problem`: why it cannot run it, or that it can, with what it does differently
+    from the kernels' direct path (e.g. an 8-bit cache dequantized into a copy)."""
+    return {name: _verdict(backend, problem) for name, backend in _BACKENDS.items()}
+
+
 def choose(problem: Problem, explicit: str | None = None) -> Backend:
     """The backend for `problem`; BackendError if a requested one cannot run it."""
     name = requested_backend(explicit)
@@ -119,10 +133,7 @@ def choose(problem: Problem, explicit: str | None = None) -> Backend:
         backend = get(name)
         if not reasons(backend, problem):
             return backend
-        report = "; ".join(
-            f"{other.name}: {', '.join(reasons(other, problem)) or 'can run it'}"
-            for other in _BACKENDS.values()
-        )
+        report = "; ".join(f"{other.name}: {_verdict(other, problem)}" for other in _BACKENDS.values())
         raise BackendError(f"backend: {name!r} cannot run this call. Backends: {report}")
     chosen = _automatic_choices.get(problem)
     if chosen is None:
@@ -139,6 +150,8 @@ def _first_able(problem: Problem) -> Backend:
             continue
         refused = reasons(backend, problem)
         if not refused:
+            if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("fused_attn: %s chosen: %s", backend.name, _verdict(backend, problem))
             return backend
         if not torch.compiler.is_compiling():
             logger.debug("fused_attn: %s skipped: %s", backend.name, refused)
