@@ -348,14 +348,20 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
                     k_cache = k_cache.new_empty(k_cache.shape, dtype=query.dtype)
                     v_cache = v_cache.new_empty(v_cache.shape, dtype=query.dtype)
                     scale_layout = None
-        if rotary_cos is not None:
+        if key is not None:
+            positions = starts[:, None] + torch.arange(len_new, device=query.device)
+        # The new keys are stored turned: later steps read them as they are.
+        if rotary_cos is not None and len_q == len_new and (queries_in_order or len_q == 1):
+            # The queries sit at the new keys' positions (a decode step): one pass turns both.
+            turned = rotary.rotate(torch.cat((query, key), dim=1), rotary_cos, rotary_sin, positions,
+                                   rotary_interleaved)
+            query, key = turned[:, :query.shape[1]], turned[:, query.shape[1]:]
+        elif rotary_cos is not None:
             steps = torch.arange(len_q, device=query.device) if queries_in_order else \
                 torch.zeros(len_q, dtype=torch.long, device=query.device)
             query = rotary.rotate(query, rotary_cos, rotary_sin, starts[:, None] + steps, rotary_interleaved)
+            key = rotary.rotate(key, rotary_cos, rotary_sin, positions, rotary_interleaved)
         if key is not None:
-            positions = starts[:, None] + torch.arange(len_new, device=query.device)
-            if rotary_cos is not None:  # stored turned: later steps read them as they are
-                key = rotary.rotate(key, rotary_cos, rotary_sin, positions, rotary_interleaved)
             if scale_layout is None:
                 _append(k_cache, key, positions, block_table, block_size)
                 _append(v_cache, value, positions, block_table, block_size)

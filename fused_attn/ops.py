@@ -176,3 +176,7 @@ if _extension._C is not None:
     @torch.library.register_fake("fused_attn::row_dots")
     def _row_dots_fake(a, b):
         return a.new_empty(a.shape[:-1], dtype=lse_dtype(a.dtype))
+
+    @torch.library.register_fake("fused_attn::rotary")
+    def _rotary_fake(x, cos, sin, positions, interleaved):
+        return torch.empty_like(x)

@@ -6,13 +6,16 @@ turned by its angle: (x1·cos − x2·sin, x1·sin + x2·cos). `interleaved` pai
 (GPT-J); otherwise (i, i + rotary_dim / 2) (GPT-NeoX). The products are computed in float32 (float64
 for float64 tensors) and rounded once to the tensor's dtype.
 
-This is plain torch, run on q and the new keys before the kernels. `rotate` is the single place that
-does it, so a kernel that applies the rotary where it loads q and k can replace it whole.
+`rotate` is the single place that does it, on q and the new keys before the kernels: on the CPU in one
+pass of the extension's `rotary` op (a decode step's dozen small torch operations cost a tenth of the
+step, bench/NOTES.md section 35), elsewhere in torch. Both round the same way, bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import _extension
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -22,6 +25,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     half = cos.shape[1]
     if half == 0:
         return x
+    if x.device.type == "cpu" and _extension._C is not None:
+        return torch.ops.fused_attn.rotary(x, cos, sin, positions, interleaved)
+    return rotate_in_torch(x, cos, sin, positions, interleaved)
+
+
+def rotate_in_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    interleaved: bool) -> torch.Tensor:
+    """`rotate` in torch operations, on any device."""
+    half = cos.shape[1]
     compute = torch.promote_types(x.dtype, torch.float32)
     cos_at = cos[positions].to(compute).unsqueeze(1)  # (B, 1, L, half): one angle for every head
     sin_at = sin[positions].to(compute).unsqueeze(1)

@@ -307,6 +307,44 @@ def test_rotary_turns_each_pair_by_its_angle(generator):
                                    rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype, table_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                                 (torch.float64, torch.float64), (torch.float64, torch.float32)],
+                         ids=str)
+def test_rotary_op_is_the_torch_definition_bit_for_bit(generator, dtype, table_dtype):
+    """The CPU's one-pass `rotary` op against `rotate_in_torch`, for strided inputs and tables, partial rotary
+    dims, both pairings: identical bits."""
+    from fused_attn import rotary
+
+    if fused_attn.available_backends()["cpu"] is not None:
+        pytest.skip("the C++ extension is not built")
+    for layout in testing.LAYOUTS:
+        x = testing.strided(torch.randn(3, 4, 5, DIM, generator=generator).to(dtype), layout)
+        for half in (1, 3, DIM // 2):
+            angle = torch.rand(12, 2 * half, generator=generator, dtype=torch.float64)[:, ::2] * 100
+            cos, sin = angle.cos().to(table_dtype), angle.sin().to(table_dtype)
+            positions = torch.randint(0, 12, (5, 3), generator=generator).t()
+            for interleaved in (True, False):
+                fused = rotary.rotate(x, cos, sin, positions, interleaved)
+                in_torch = rotary.rotate_in_torch(x, cos, sin, positions, interleaved)
+                assert fused.stride() == x.stride() or layout == "packed"
+                assert torch.equal(fused, in_torch), (layout, half, interleaved)
+
+
+def test_rotary_op_names_its_bad_arguments(generator):
+    if fused_attn.available_backends()["cpu"] is not None:
+        pytest.skip("the C++ extension is not built")
+    x, table = torch.randn(2, 3, 4, DIM), torch.rand(10, 4)
+    positions = torch.zeros(2, 4, dtype=torch.long)
+    for arguments, name in [((x[0], table, table, positions), "x"), ((x, table, table[:, :3], positions), "cos, sin"),
+                            ((x, table, table.double(), positions), "cos, sin"),
+                            ((x, table, table, positions.int()), "positions"),
+                            ((x, table, table, positions[:1]), "positions"),
+                            ((x, table, table, positions + 10), "positions")]:
+        with pytest.raises(RuntimeError, match=f"rotary: {name}"):
+            torch.ops.fused_attn.rotary(*arguments, True)
+
+
 def run_cache_options(generator, backend, dtype, *, len_q, len_new, batch=3, capacity=24, heads_kv=2,
                       batch_idx=False, duplicate_rows=False, leftpad=False, rotary=None, rotary_dim=DIM,
                       table_dtype=None, is_causal=True, window_size=None, softcap=None, alibi=False, sinks=False,
