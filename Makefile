@@ -13,7 +13,7 @@ RUNNER_PYTHONS ?= 3.10 3.11 3.12 3.13
 TRITON_VERSIONS ?= 3.5.1 3.6.0 3.7.1 3.8.0 3.9.0
 TRITON_TESTS ?= tests/test_triton.py
 
-.PHONY: test bench install clean check-gpu-install check-gpu-install-full test-triton
+.PHONY: test bench install clean check-gpu-install check-gpu-install-full test-triton gpu-check
 
 install: $(INSTALLED)
 
@@ -32,6 +32,12 @@ test: $(INSTALLED)
 
 bench: $(INSTALLED)
 	$(PY) -m bench --quick
+
+# On a CUDA machine: the GPU tests, the correctness check and the timing grid against each SDPA kernel,
+# FlexAttention and flash-attn, into one report in bench/results (exit 1 on a correctness failure).
+# Without a GPU: one line, exit 0 (`$(PY) -m bench.gpu_check --dry-run` runs the pipeline on the CPU).
+gpu-check: $(INSTALLED)
+	$(PY) -m bench.gpu_check
 
 # Fast (CI runs it): requirements.txt resolves as on a Linux GPU runner, whose pip sees PyPI's CUDA
 # build of torch, with the Triton that torch pins.

@@ -1,0 +1,144 @@
+"""`make gpu-check` without a GPU: its one line and exit 0, the grid it would time, and its dry run on the
+CPU (report files, verdict, exit status on a correctness failure)."""
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import check, gpu_check, sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def child_tests(tmp_path_factory) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Child pytest runs that take a second (a test file outside tests/, without its conftest), in place of
+    the GPU tests' runs, which skip here after collecting the whole suite: {"pass": ..., "fail": ...}."""
+    folder = tmp_path_factory.mktemp("child_tests")
+    (folder / "test_passes.py").write_text("def test_passes():\n    assert True\n")
+    (folder / "test_fails.py").write_text("def test_fails():\n    assert False\n")
+    return {"pass": ((str(folder / "test_passes.py"),),), "fail": ((str(folder / "test_fails.py"),),)}
+
+
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    completed = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT, env=environment,
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA GPU is visible" in lines[0], completed.stdout
+    assert "40 shapes" in lines[0] and "20 decode rows" in lines[0]
+
+
+def test_grid_is_the_issues():
+    plan = gpu_check.gpu_plan()
+    shapes = gpu_check.attention_shapes(plan)
+    assert len(shapes) == 2 * 2 * 2 * 5
+    assert {shape.dtype for shape in shapes} == {torch.float16, torch.bfloat16}
+    assert {shape.head_dim for shape in shapes} == {64, 128}
+    assert {shape.causal for shape in shapes} == {False, True}
+    assert sorted({shape.length for shape in shapes}) == [1024, 2048, 4096, 8192, 16384]
+    assert {shape.batch * shape.length for shape in shapes} == {16384} and {shape.heads for shape in shapes} == {16}
+    assert sweep.DIRECTIONS == ("fwd", "fwd+bwd")
+    decode = gpu_check.decode_shapes(plan)
+    assert {(shape.dtype, shape.paged, shape.length) for shape in decode} == {
+        (dtype, paged, length) for dtype in (torch.float16, torch.bfloat16) for paged in (False, True)
+        for length in (1024, 2048, 4096, 8192, 16384)}
+    assert all(shape.length % shape.block_size == 0 for shape in decode)
+    assert plan.backends == ("triton", "cuda") and plan.compile_flex and plan.flex_label == "flex"
+    assert set(gpu_check.SDPA_KERNELS) == {"sdpa-flash", "sdpa-cudnn", "sdpa-efficient"}
+    assert ("-m", "cuda", "tests") in plan.tests
+
+
+def test_gpu_rounds_rotate_and_take_each_call_as_one_median(monkeypatch):
+    """On a GPU each call of a round is one triton.testing.do_bench median; here a stand-in returns the
+    run's own number."""
+    calls = []
+    monkeypatch.setattr(gpu_check.timing, "gpu_median_seconds", lambda run: calls.append(run()) or run())
+    samples = gpu_check.gpu_interleaved_samples({"a": lambda: 1.0, "b": lambda: 2.0, "c": lambda: 4.0}, rounds=3)
+    assert samples == {"a": [1.0] * 3, "b": [2.0] * 3, "c": [4.0] * 3}
+    assert calls == [1.0, 2.0, 4.0, 2.0, 4.0, 1.0, 4.0, 1.0, 2.0]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory, child_tests):
+    """One passing dry run (two problems of the check, to keep it short): (exit status, printed lines,
+    {suffix: path})."""
+    results = tmp_path_factory.mktemp("results")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(gpu_check, "GPU_TESTS", child_tests["pass"])
+        patch.setattr(check, "PROBLEMS", {name: check.PROBLEMS[name] for name in ("plain", "causal")})
+        status = gpu_check.main(["--dry-run", "--results", str(results)])
+    return status, printed.getvalue().strip().splitlines(), {path.suffix: path for path in results.iterdir()}
+
+
+def test_dry_run_writes_json_lines_markdown_and_png(dry_run):
+    status, lines, paths = dry_run
+    assert status == 0
+    assert set(paths) == {".jsonl", ".md", ".png"} and all("dry-run" in path.name for path in paths.values())
+    records = [json.loads(line) for line in paths[".jsonl"].read_text().splitlines()]
+    assert all(record["dry_run"] is True and record["git_revision"] and record["torch"] for record in records)
+    measured = [record for record in records if record.get("status") == "measured"]
+    kinds = {(record["kind"], record["backend"]) for record in measured}
+    assert {("attention", "cpu"), ("attention", "sdpa-flash"), ("attention", "flex-eager"),
+            ("decode", "cpu"), ("decode", "sdpa-flash"), ("decode", "flex-eager")} <= kinds
+    plan = gpu_check.dry_run_plan()
+    cpu_rows = [record for record in measured if record["backend"] == "cpu"]
+    assert len(cpu_rows) == 2 * len(gpu_check.attention_shapes(plan)) + len(gpu_check.decode_shapes(plan))
+    assert all(record["time_ms"] > 0 and record["tflops"] > 0 and record["vs_sdpa"]["sdpa-flash"] > 0
+               for record in cpu_rows)
+    assert all(record["correct"] for record in measured if record["kind"] == "decode")
+    # The kernels the CPU lacks are recorded as refused, not a crash; so is FlexAttention's backward.
+    refused = {(record["backend"], record.get("direction")) for record in records if record.get("status") == "refused"}
+    assert {("sdpa-cudnn", "fwd"), ("sdpa-efficient", "fwd+bwd"), ("flex-eager", "fwd+bwd")} <= refused
+    tests, checked = (next(record for record in records if record["kind"] == kind) for kind in ("tests", "check"))
+    assert tests["passed"] and "1 passed" in tests["summary"] and checked["passed"] and checked["lines"] == 4
+    markdown = paths[".md"].read_text()
+    assert "DRY RUN" in markdown.splitlines()[0] and "| cpu × sdpa-flash |" in markdown
+    assert "## Decode" in markdown and "## Did not run" in markdown
+    assert paths[".png"].stat().st_size > 1000
+    assert lines[-1].startswith("gpu-check DRY RUN (on the CPU") and ": PASS — 0 correctness failures" in lines[-1]
+    assert records[-1]["kind"] == "verdict" and records[-1]["line"] == lines[-1]
+
+
+def test_a_failing_check_exits_non_zero(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(check, "PROBLEMS", {name: check.PROBLEMS[name] for name in ("plain", "causal")})
+    original = check.check_one
+
+    def check_one(backend, case, dtype, device):
+        if case is check.PROBLEMS["causal"] and dtype == torch.bfloat16:
+            return {"errors": {}, "passed": False, "reason": "AssertionError: out error beyond the bound"}
+        return original(backend, case, dtype, device)
+    monkeypatch.setattr(check, "check_one", check_one)
+    status = gpu_check.main(["--dry-run", "--no-tests", "--lengths", "16", "--rounds", "1", "--results", str(tmp_path)])
+    assert status == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert ": FAIL — 1 correctness failures" in last
+    verdict = json.loads(next(tmp_path.glob("*.jsonl")).read_text().splitlines()[-1])
+    assert verdict["kind"] == "verdict" and not verdict["passed"]
+    assert verdict["failures"] == ["check: cpu bfloat16 causal FAIL: AssertionError: out error beyond the bound"]
+
+
+def test_failing_tests_and_decode_outputs_are_correctness_failures(child_tests):
+    plan = dataclasses.replace(gpu_check.dry_run_plan(), tests=child_tests["fail"])
+    records = gpu_check.run_tests(plan, printer=lambda line: None)
+    assert len(records) == 1 and not records[0]["passed"] and records[0]["returncode"] == 1
+    assert "1 failed" in records[0]["summary"]
+    decode = {"kind": "decode", "backend": "cpu", "dtype": "float16", "cache": "paged", "length": 64,
+              "error": 0.5, "allowed_error": 0.01, "correct": False}
+    failures = gpu_check.correctness_failures(plan, [*records, decode, {**decode, "correct": True}])
+    assert failures == [f"tests `{records[0]['command']}`: {records[0]['summary']}",
+                        "decode cpu float16 paged L_k=64: error 5.00e-01 > 1.00e-02"]
+    assert gpu_check.verdict(plan, [], failures, Path("r.md")).startswith(
+        "gpu-check DRY RUN (on the CPU, tiny shapes, cpu backend; not GPU numbers): FAIL — 2 correctness failures")
+    no_backend = gpu_check.correctness_failures(dataclasses.replace(plan, backends=()), [])
+    assert no_backend == ["no fused_attn GPU backend is available: nothing of fused_attn ran"]
