@@ -8,10 +8,12 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bench import check, gpu_check, sweep
 
@@ -142,3 +144,47 @@ def test_failing_tests_and_decode_outputs_are_correctness_failures(child_tests):
         "gpu-check DRY RUN (on the CPU, tiny shapes, cpu backend; not GPU numbers): FAIL — 2 correctness failures")
     no_backend = gpu_check.correctness_failures(dataclasses.replace(plan, backends=()), [])
     assert no_backend == ["no fused_attn GPU backend is available: nothing of fused_attn ran"]
+
+
+def stand_in_flash_attn() -> types.ModuleType:
+    """flash-attn's two functions by their documented layouts, computed by SDPA: q, k, v (B, L, H, D);
+    kvcache: q (B, L_q, H_q, D), a cache (B, L_max, H_kv, D) or blocks (num_blocks, block_size, H_kv, D) with an
+    int32 block table (B, max_blocks)."""
+    module = types.ModuleType("flash_attn")
+
+    def flash_attn_func(q, k, v, causal=False):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=causal).transpose(1, 2)
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None):
+        if block_table is not None:
+            k_cache, v_cache = (cache[block_table.long()].flatten(1, 2) for cache in (k_cache, v_cache))
+        length = int(cache_seqlens.max())  # every sequence has the same length in gpu_check's rows
+        keys, values = (cache[:, :length].transpose(1, 2) for cache in (k_cache, v_cache))
+        return F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, enable_gqa=True).transpose(1, 2)
+
+    module.flash_attn_func, module.flash_attn_with_kvcache = flash_attn_func, flash_attn_with_kvcache
+    return module
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_flash_attn_gets_its_own_layouts(paged, monkeypatch):
+    """Where `import flash_attn` works, its rows are measured; a stand-in computing flash-attn's documented
+    contract by SDPA shows that gpu_check hands it tensors in its layouts (a decode output in another
+    layout would fail the float64 check)."""
+    sweep.flash_attn_function.cache_clear()
+    gpu_check.flash_attn_kvcache_function.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_attn", stand_in_flash_attn())
+    try:
+        plan = gpu_check.dry_run_plan(lengths=(16,), rounds=1)
+        shape = gpu_check.decode_shapes(plan)[1 if paged else 0]
+        assert shape.paged == paged
+        decode = {record["backend"]: record for record in gpu_check.measure_decode(plan, shape)}
+        assert decode["flash_attn"]["status"] == "measured" and decode["flash_attn"]["correct"]
+        attention = gpu_check.measure_attention(plan, gpu_check.attention_shapes(plan)[1])
+        assert {(record["backend"], record["direction"], record["status"]) for record in attention
+                if record["backend"] == "flash_attn"} == {("flash_attn", "fwd", "measured"),
+                                                          ("flash_attn", "fwd+bwd", "measured")}
+    finally:
+        sweep.flash_attn_function.cache_clear()
+        gpu_check.flash_attn_kvcache_function.cache_clear()
