@@ -4,12 +4,12 @@ With a CUDA device: records the device and the versions that matter; runs the GP
 pytest; checks each GPU backend against the float64 reference (`bench.check`); times fused_attn's
 `triton` and `cuda` backends against each SDPA kernel alone (flash, cuDNN, memory-efficient),
 FlexAttention under torch.compile and flash-attn (where `import flash_attn` works) over the grid of
-`gpu_plan`, forward and forward+backward, and one query against dense and paged caches (decode, each
-output checked against the float64 reference). Writes JSON lines (one record per measurement, each
-with the run's provenance), a Markdown table and a PNG into the results directory, and prints a
-one-line verdict. Exit status 1 on any correctness failure (a test run, a line of the check, a decode
-output beyond the error bound), else 0: slowness is reported, never failed. Without a CUDA device it
-says so in one line and exits 0.
+`gpu_plan`, forward and forward+backward, and one query against dense and paged caches (decode), every
+timed output checked against float64 (the forward's on rows of the first sequence). Writes JSON lines
+(one record per measurement, each with the run's provenance), a Markdown table and a PNG into the
+results directory, and prints a one-line verdict. Exit status 1 on any correctness failure (a test
+run, a line of the check, an output beyond the error bound), else 0: slowness is reported, never
+failed. Without a CUDA device it says so in one line and exits 0.
 
 `--dry-run` runs the same pipeline on the CPU, on tiny shapes, with the `cpu` backend in place of the
 GPU backends: the SDPA kernels the CPU lacks are recorded as refused and FlexAttention runs
@@ -298,31 +298,73 @@ def measurement_records(samples: dict[str, list[float]], refused: dict[str, str]
     return records
 
 
+def first_calls(runs: dict[str, Callable[[], object]], keep: Callable = lambda out: out):
+    """Each run called once (a compilation, an autotuning, a refusal happen here, before the timing):
+    ({name: keep(what it returned)}, {name: why it does not run})."""
+    kept, refused = {}, {}
+    for name, run in runs.items():
+        out, why = refusal(run)
+        if why is None:
+            kept[name] = keep(out)
+        else:
+            refused[name] = why
+    return kept, refused
+
+
+def judge(records: list[dict], outputs: dict[str, torch.Tensor], exact: torch.Tensor, allowed: float) -> None:
+    """Adds each measured record's error against float64, the bound and whether it holds (a record with
+    "correct": False is a correctness failure of the run)."""
+    for record in records:
+        if record["status"] == "measured":
+            error = testing.max_error(outputs[record["backend"]], exact)
+            record.update(error=error, allowed_error=allowed, correct=error <= allowed)
+
+
+def sampled_rows(length: int, count: int = 64) -> torch.Tensor:
+    """Query rows spread over the sequence, the first and the last among them."""
+    return torch.linspace(0, length - 1, min(count, length)).round().long().unique()
+
+
+def attention_reference(q, k, v, causal: bool, rows: torch.Tensor):
+    """Rows `rows` of the first sequence's output in float64, and the error bound of the project's criterion
+    (the same rows by SDPA's math kernel in the inputs' dtype): the whole output in float64 would not fit at
+    the grid's longest rows."""
+    math = sdpa_kernel_call("MATH")
+    mask = None
+    if causal:  # top-left, as is_causal, for the selected rows
+        mask = torch.arange(k.shape[2], device=k.device)[None, :] <= rows.to(k.device)[:, None]
+    with torch.no_grad():
+        q_rows, keys, values = q[:1, :, rows.to(q.device)], k[:1], v[:1]
+        exact = math(q_rows.double(), keys.double(), values.double(), attn_mask=mask)
+        return exact, testing.allowed_error("out", exact, math(q_rows, keys, values, attn_mask=mask), q.dtype)
+
+
 def measure_attention(plan: Plan, shape: sweep.Shape) -> list[dict]:
-    """The shape's records, forward and forward+backward, every implementation on the same inputs."""
+    """The shape's records, forward and forward+backward, every implementation on the same inputs; the
+    forward outputs checked on `sampled_rows` of the first sequence against float64."""
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape.batch, shape.heads, shape.length, shape.head_dim, generator=generator)
                .to(plan.device, shape.dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(q.shape, generator=generator).to(plan.device, shape.dtype)
+    rows = sampled_rows(shape.length)
+    exact, allowed = attention_reference(q, k, v, shape.causal, rows)
     impls = attention_implementations(plan, shape)
     records = []
     for direction in sweep.DIRECTIONS:
         runs = {name: sweep.runner(fn, q, k, v, shape.causal, direction, grad) for name, fn in impls.items()}
-        refused = {}
-        for name, run in runs.items():
-            why = refusal(run)[1]
-            if why is not None:
-                refused[name] = why
+        outputs, refused = first_calls(runs, lambda out: out[:1, :, rows.to(plan.device)] if direction == "fwd" else None)
         samples = samples_of(plan, {name: run for name, run in runs.items() if name not in refused})
         base = {"kind": "attention", "direction": direction, "dtype": dtype_name(shape.dtype), "batch": shape.batch,
                 "heads": shape.heads, "length": shape.length, "head_dim": shape.head_dim, "causal": shape.causal}
-        records += measurement_records(samples, refused, base, shape.flops(direction))
+        direction_records = measurement_records(samples, refused, base, shape.flops(direction))
+        if direction == "fwd":
+            judge(direction_records, outputs, exact, allowed)
+        records += direction_records
     return records
 
 
 def measure_decode(plan: Plan, shape: DecodeShape) -> list[dict]:
-    """The row's records; each implementation's output is first checked against the float64 reference by the
-    project's criterion (a record with "correct": False is a correctness failure of the run)."""
+    """The row's records, each implementation's output checked against float64 first."""
     inputs = decode_inputs(shape, plan.device)
     q, k, v = inputs[:3]
     keys, values = k.transpose(1, 2), v.transpose(1, 2)
@@ -331,22 +373,13 @@ def measure_decode(plan: Plan, shape: DecodeShape) -> list[dict]:
         exact = math(q.double(), keys.double(), values.double(), enable_gqa=True)
         allowed = testing.allowed_error("out", exact, math(q, keys, values, enable_gqa=True), shape.dtype)
         runs = decode_implementations(plan, shape, *inputs)
-        errors, refused = {}, {}
-        for name, run in runs.items():
-            out, why = refusal(run)
-            if why is None:
-                errors[name] = testing.max_error(out, exact)
-            else:
-                refused[name] = why
+        outputs, refused = first_calls(runs)
         samples = samples_of(plan, {name: run for name, run in runs.items() if name not in refused})
     base = {"kind": "decode", "dtype": dtype_name(shape.dtype), "batch": shape.batch, "heads_q": shape.heads_q,
             "heads_kv": shape.heads_kv, "length": shape.length, "head_dim": shape.head_dim,
             "cache": "paged" if shape.paged else "dense", "block_size": shape.block_size if shape.paged else None}
     records = measurement_records(samples, refused, base, shape.flops(), shape.cache_bytes())
-    for record in records:
-        if record["status"] == "measured":
-            error = errors[record["backend"]]
-            record.update(error=error, allowed_error=allowed, correct=error <= allowed)
+    judge(records, outputs, exact, allowed)
     return records
 
 
@@ -457,10 +490,13 @@ def write_markdown(path: Path, plan: Plan, meta: dict, records: list[dict], verd
             lines.append(f"- `bench.check` on {', '.join(plan.backends)}: {record['lines'] - len(record['failed'])}/"
                          f"{record['lines']} lines pass")
             lines += [f"  - {line}" for line in record["failed"]]
-    wrong = [record for record in records if record.get("correct") is False]
-    lines += [f"- decode outputs checked against float64: {len(wrong)} beyond the error bound"]
-    lines += [f"  - {record['backend']} {record['dtype']} {record['cache']} L_k={record['length']}: "
-              f"{record['error']:.2e} > {record['allowed_error']:.2e}" for record in wrong]
+    for kind, what in (("attention", f"forward outputs ({len(sampled_rows(max(plan.lengths)))} query rows of the "
+                                      "first sequence)"), ("decode", "decode outputs")):
+        judged = [record for record in records if record.get("kind") == kind and "correct" in record]
+        wrong = [record for record in judged if not record["correct"]]
+        lines.append(f"- {what} of every timed implementation against float64: {len(judged) - len(wrong)}/"
+                     f"{len(judged)} within the bound")
+        lines += [f"  - {wrong_output(record)}" for record in wrong]
     flex = "FlexAttention under torch.compile" if plan.compile_flex else "FlexAttention uncompiled"
     lines += ["", f"## Attention: TFLOP/s, B·L = {plan.tokens}, H = {plan.heads}", "",
               f"Each SDPA kernel alone (`torch.nn.attention.sdpa_kernel`), {flex} (`{plan.flex_label}`); the "
@@ -480,14 +516,22 @@ def write_markdown(path: Path, plan: Plan, meta: dict, records: list[dict], verd
     path.write_text("\n".join(lines) + "\n")
 
 
+def wrong_output(record: dict) -> str:
+    if record["kind"] == "attention":
+        row = (f"{record['dtype']} B={record['batch']} H={record['heads']} L={record['length']} "
+               f"D={record['head_dim']}{' causal' if record['causal'] else ''}")
+    else:
+        row = f"{record['dtype']} {record['cache']} L_k={record['length']}"
+    return (f"{record['kind']} {record['backend']} {row}: error {record['error']:.2e} > "
+            f"{record['allowed_error']:.2e}")
+
+
 def correctness_failures(plan: Plan, records: list[dict]) -> list[str]:
     failures = [f"tests `{record['command']}`: {record['summary']}" for record in records
                 if record.get("kind") == "tests" and not record["passed"]]
     failures += [f"check: {' '.join(line.split())}" for record in records if record.get("kind") == "check"
                  for line in record["failed"]]
-    failures += [f"decode {record['backend']} {record['dtype']} {record['cache']} L_k={record['length']}: error "
-                 f"{record['error']:.2e} > {record['allowed_error']:.2e}" for record in records
-                 if record.get("correct") is False]
+    failures += [wrong_output(record) for record in records if record.get("correct") is False]
     if not plan.backends:
         failures.append("no fused_attn GPU backend is available: nothing of fused_attn ran")
     return failures

@@ -98,7 +98,8 @@ def test_dry_run_writes_json_lines_markdown_and_png(dry_run):
     assert len(cpu_rows) == 2 * len(gpu_check.attention_shapes(plan)) + len(gpu_check.decode_shapes(plan))
     assert all(record["time_ms"] > 0 and record["tflops"] > 0 and record["vs_sdpa"]["sdpa-flash"] > 0
                for record in cpu_rows)
-    assert all(record["correct"] for record in measured if record["kind"] == "decode")
+    judged = [record for record in measured if record.get("direction") != "fwd+bwd"]
+    assert judged and all(record["correct"] and record["error"] <= record["allowed_error"] for record in judged)
     # The kernels the CPU lacks are recorded as refused, not a crash; so is FlexAttention's backward.
     refused = {(record["backend"], record.get("direction")) for record in records if record.get("status") == "refused"}
     assert {("sdpa-cudnn", "fwd"), ("sdpa-efficient", "fwd+bwd"), ("flex-eager", "fwd+bwd")} <= refused
@@ -130,18 +131,21 @@ def test_a_failing_check_exits_non_zero(monkeypatch, tmp_path, capsys):
     assert verdict["failures"] == ["check: cpu bfloat16 causal FAIL: AssertionError: out error beyond the bound"]
 
 
-def test_failing_tests_and_decode_outputs_are_correctness_failures(child_tests):
+def test_failing_tests_and_outputs_beyond_the_bound_are_correctness_failures(child_tests):
     plan = dataclasses.replace(gpu_check.dry_run_plan(), tests=child_tests["fail"])
     records = gpu_check.run_tests(plan, printer=lambda line: None)
     assert len(records) == 1 and not records[0]["passed"] and records[0]["returncode"] == 1
     assert "1 failed" in records[0]["summary"]
     decode = {"kind": "decode", "backend": "cpu", "dtype": "float16", "cache": "paged", "length": 64,
               "error": 0.5, "allowed_error": 0.01, "correct": False}
-    failures = gpu_check.correctness_failures(plan, [*records, decode, {**decode, "correct": True}])
+    forward = {"kind": "attention", "backend": "cpu", "dtype": "bfloat16", "batch": 2, "heads": 2, "length": 64,
+               "head_dim": 16, "causal": True, "error": 0.25, "allowed_error": 0.02, "correct": False}
+    failures = gpu_check.correctness_failures(plan, [*records, decode, {**decode, "correct": True}, forward])
     assert failures == [f"tests `{records[0]['command']}`: {records[0]['summary']}",
-                        "decode cpu float16 paged L_k=64: error 5.00e-01 > 1.00e-02"]
+                        "decode cpu float16 paged L_k=64: error 5.00e-01 > 1.00e-02",
+                        "attention cpu bfloat16 B=2 H=2 L=64 D=16 causal: error 2.50e-01 > 2.00e-02"]
     assert gpu_check.verdict(plan, [], failures, Path("r.md")).startswith(
-        "gpu-check DRY RUN (on the CPU, tiny shapes, cpu backend; not GPU numbers): FAIL — 2 correctness failures")
+        "gpu-check DRY RUN (on the CPU, tiny shapes, cpu backend; not GPU numbers): FAIL — 3 correctness failures")
     no_backend = gpu_check.correctness_failures(dataclasses.replace(plan, backends=()), [])
     assert no_backend == ["no fused_attn GPU backend is available: nothing of fused_attn ran"]
 
