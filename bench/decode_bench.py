@@ -6,10 +6,13 @@ long-query kernels on the same call (FUSED_ATTN_CPU_DECODE=0, the path before th
 and `dst.copy_(src)` of a buffer the size of K and V, `dst` allocated beforehand: the time the
 memory takes to move the bytes the call must read. The table gives the medians over rounds of the
 time ratios SDPA / cpu (targets: 1.5 at B=1, H_q=32, H_kv=8, L_k=4096; 1.3 at B=4, H=32, L_k=2048)
-and cpu / copy (target ≤ 2), and K/V bytes read per second by the call and by the copy. Then one
-generation step through `attention_with_kvcache` against SDPA over the same keys.
+and cpu / copy (target ≤ 2), and K/V bytes read per second by the call and by the copy. Then the same
+calls over 8-bit caches (float8_e4m3fn and int8, per-sequence and per-token scales, bf16 queries),
+read in place by `forward_paged`, against the bf16 cache's call of the first table (target: 1.6× faster)
+and against a copy of their own bytes (target: read at ≥ 60 % of the copy's rate). Then one generation
+step through `attention_with_kvcache` against SDPA over the same keys.
 
-    python -m bench.decode_bench [--dtypes fp32 bf16] [--rounds 30]
+    python -m bench.decode_bench [--dtypes fp32 bf16] [--caches fp8 int8] [--rounds 30]
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import torch
 import torch.nn.functional as F
 
 import fused_attn
-from fused_attn import testing
+from fused_attn import quantization, testing
+from fused_attn.backends import registry
 
 from . import report, timing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CACHES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 # (B, H_q, H_kv, L_q, L_k, D)
 SHAPES = [(1, 32, 8, 1, 4096, 128), (4, 32, 32, 1, 2048, 128), (1, 32, 8, 4, 4096, 128)]
 
@@ -83,6 +88,62 @@ def time_row(dtype, shape, rounds, budget_s) -> dict:
     }
 
 
+def quantized_cache(values, cache_dtype, per_token):
+    """`values` (B, H_kv, L_k, D) as attention_with_kvcache stores them in an 8-bit cache: a (B, L_k, H_kv, D)
+    buffer, passed to forward_paged as one block of L_k keys per sequence, and its scales, per token (B, L_k, H_kv)
+    or per sequence and head (B, H_kv)."""
+    tokens = values.transpose(1, 2).float()
+    if per_token:
+        scales = quantization.token_scales(tokens, cache_dtype)
+        dense_scales = scales
+    else:
+        scales = values.abs().amax(dim=(2, 3)).float() / quantization.LARGEST[cache_dtype]
+        dense_scales = scales[:, None, :].expand(tokens.shape[:3])
+    return quantization.quantize(tokens, dense_scales, cache_dtype), scales
+
+
+def quantized_row(cache_dtype, per_token, shape, rounds, budget_s) -> dict:
+    """The cpu backend's call over an 8-bit cache (bf16 queries), interleaved with the same call over the bf16
+    cache of time_row and with a copy of the 8-bit call's bytes (values and scales), `dst` allocated beforehand."""
+    batch, heads_q, heads_kv, len_q, len_k, dim = shape
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads_q, len_q, dim, generator=generator).to(torch.bfloat16)
+    k, v = (torch.randn(batch, heads_kv, len_k, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
+    (k_blocks, k_scale), (v_blocks, v_scale) = (quantized_cache(x, cache_dtype, per_token) for x in (k, v))
+    table = torch.arange(batch, dtype=torch.int32)[:, None]
+    out = torch.empty(batch, heads_q, len_q, dim, dtype=torch.bfloat16)
+    cpu, reference = registry.get("cpu"), registry.get("reference")
+    read = torch.cat([t.flatten().view(torch.int8) for t in (k_blocks, v_blocks, k_scale, v_scale)])
+    destination = torch.empty_like(read)
+    gqa = heads_q != heads_kv
+    runs = {
+        "cpu": lambda: cpu.forward_paged(q, k_blocks, v_blocks, table, None, None, False, dim ** -0.5, out,
+                                         k_scale=k_scale, v_scale=v_scale),
+        "bf16": lambda: fused_attn.attention(q, k, v, enable_gqa=gqa, backend="cpu"),
+        "copy": lambda: destination.copy_(read),
+    }
+    with torch.inference_mode():
+        # The same attention as the reference's over the dequantized cache, by the criterion, or the timing
+        # compares nothing.
+        runs["cpu"]()
+        results = {}
+        for dtype in (torch.float64, torch.bfloat16):
+            expected = torch.empty(out.shape, dtype=dtype)
+            reference.forward_paged(q.to(dtype), k_blocks, v_blocks, table, None, None, False, dim ** -0.5, expected,
+                                    k_scale=k_scale, v_scale=v_scale)
+            results[dtype] = expected
+        allowed = testing.allowed_error("out", results[torch.float64], results[torch.bfloat16], torch.bfloat16)
+        error = testing.max_error(out, results[torch.float64])
+        assert error <= allowed, f"8-bit cache: error {error:.3e} > allowed {allowed:.3e}"
+        samples = timing.interleaved_samples(runs, rounds, warmup=3, budget_s=budget_s)
+    times = {name: statistics.median(values) for name, values in samples.items()}
+    return {"rounds": len(samples["cpu"]), **{f"{name}_us": seconds * 1e6 for name, seconds in times.items()},
+            "vs_bf16": timing.median_ratio(samples["bf16"], samples["cpu"]),
+            "over_copy": timing.median_ratio(samples["cpu"], samples["copy"]),
+            "cpu_gb_s": read.numel() / times["cpu"] / 1e9, "copy_gb_s": read.numel() / times["copy"] / 1e9,
+            "copy_share": timing.median_ratio(samples["copy"], samples["cpu"])}
+
+
 def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capacity=4096, length=4000, dim=128,
                 block_size=16):
     """One generation step through `attention_with_kvcache` (append one token, attend over the
@@ -135,6 +196,7 @@ def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capaci
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.decode_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
+    parser.add_argument("--caches", nargs="*", choices=sorted(CACHES), default=["fp8", "int8"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per row before stopping early")
     args = parser.parse_args(argv)
@@ -150,6 +212,22 @@ def main(argv=None) -> int:
                   f"{row['cpu_long_query_us']:.0f} | {row['copy_us']:.0f} | {row['vs_sdpa']:.2f} | "
                   f"{row['vs_long_query']:.2f} | {row['over_copy']:.2f} | {row['cpu_gb_s']:.1f}, "
                   f"{row['copy_gb_s']:.1f} | {row['rounds']} |", flush=True)
+    if args.caches:
+        print()
+        print("8-bit caches, bf16 queries, (B, L_k, H_kv, D) buffers read in place (forward_paged), against the bf16 "
+              "cache's call above and a copy of the call's bytes (8-bit values and float32 scales):")
+        print()
+        print("| cache | scales | B, H_q, H_kv, L_q, L_k, D | cpu µs | bf16 cache µs | copy µs | bf16 cache / cpu "
+              "| cpu / copy | bytes read GB/s (cpu, copy) | share of the copy's rate | rounds |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name in args.caches:
+            for shape in SHAPES:
+                for per_token in (False, True):
+                    row = quantized_row(CACHES[name], per_token, shape, args.rounds, args.budget)
+                    print(f"| {name} | {'token' if per_token else 'sequence'} | {', '.join(map(str, shape))} | "
+                          f"{row['cpu_us']:.0f} | {row['bf16_us']:.0f} | {row['copy_us']:.0f} | {row['vs_bf16']:.2f} | "
+                          f"{row['over_copy']:.2f} | {row['cpu_gb_s']:.1f}, {row['copy_gb_s']:.1f} | "
+                          f"{row['copy_share']:.2f} | {row['rounds']} |", flush=True)
     print()
     print("attention_with_kvcache, B=1, H_q=32, H_kv=8, D=128, one token appended to 3999 of a 4096-key cache "
           "(a (B, L_max, H_kv, D) buffer), against SDPA over the 4000 keys sliced from it; the same step over a paged "

@@ -48,12 +48,16 @@ TORCH_LIBRARY(fused_attn, m) {
   // The forward over a paged key/value cache (CPU): key and value are blocks (num_blocks, block_size,
   // H_kv, D), any strides, and key j of sequence b lies in block block_table[b, j / block_size] (int32
   // (B, max_blocks)), at row j % block_size; the call's L_k is max_blocks * block_size, and blocks past
-  // each sequence's key padding are never read. No dropout, no backward (inference).
+  // each sequence's key padding are never read. No dropout, no backward (inference). k_scale and v_scale, both
+  // or neither, make it an 8-bit cache (fused_attn/quantization.py): float8_e4m3fn or int8 blocks, key j standing
+  // for its values times its float32 scale, the scales either (B, H_kv), per sequence and head, or (num_blocks,
+  // block_size, H_kv), per stored key and head, any strides; the query float32, bfloat16 or float16.
   m.def(
       "paged_forward(Tensor query, Tensor k_blocks, Tensor v_blocks, Tensor block_table, Tensor? attn_mask, "
       "Tensor? key_padding_mask, bool is_causal, float scale, Tensor(a!) out, int window_left=-1, "
       "int window_right=-1, bool bottom_right=False, float softcap=0., Tensor? alibi_slopes=None, int diagonal_shift=0, "
-      "Tensor? block_tiles=None, Tensor? block_bits=None, Tensor? sinks=None) -> Tensor");
+      "Tensor? block_tiles=None, Tensor? block_bits=None, Tensor? sinks=None, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> Tensor");
   // A packed batch (fused_attn/varlen.py; CUDA): query (total_q, H_q, D_qk), key (total_k, H_kv, D_qk),
   // value (total_k, H_kv, D_v), any strides; sequence b is tokens cu_seqlens[b] .. cu_seqlens[b + 1]
   // (int32 or int64 (B + 1,), on the tensors' device); max_seqlen_* the longest sequences, -1 if not

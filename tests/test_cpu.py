@@ -2,6 +2,7 @@
 determinism across runs and thread counts, fully hidden rows, errors, and every instruction set."""
 
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -115,15 +116,25 @@ ISA_FLAGS = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "a
              "avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}}
 
 
-@pytest.mark.parametrize("isa", list(ISA_FLAGS))
-def test_every_instruction_set_meets_criterion(isa):
-    """Each compiled copy of the kernels, forced with FUSED_ATTN_CPU_ISA in a fresh process; dropout
-    and the score variants included (each copy has its own Philox rounds and tanh)."""
+def run_on_instruction_set(isa, script):
+    """`script` in a fresh process whose kernels are the copy compiled for `isa` (FUSED_ATTN_CPU_ISA), with
+    small blocks; skips where the CPU or ATen does not run that copy."""
     if not ISA_FLAGS[isa] <= cpu_flags():
         pytest.skip(f"this CPU cannot run {isa}")
     if isa.startswith("avx512") and torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("ATen does not choose AVX512 here")
-    script = (
+    env = dict(os.environ, FUSED_ATTN_CPU_ISA=isa, FUSED_ATTN_CPU_BLOCK_Q="16", FUSED_ATTN_CPU_BLOCK_K="24")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("isa", list(ISA_FLAGS))
+def test_every_instruction_set_meets_criterion(isa):
+    """Each compiled copy of the kernels, forced with FUSED_ATTN_CPU_ISA in a fresh process; dropout
+    and the score variants included (each copy has its own Philox rounds and tanh)."""
+    run_on_instruction_set(isa, (
         "import torch, tests.test_cpu as t\n"
         "g = torch.Generator().manual_seed(1)\n"
         "for dtype in t.DTYPES:\n"
@@ -133,12 +144,7 @@ def test_every_instruction_set_meets_criterion(isa):
         "    for case in (t.TRAINING_CASES['plain'], t.TRAINING_CASES['bias_heads_causal_dropout'],\n"
         "                 t.VARIANT_CASES['everything'], t.VARIANT_CASES['softcap_alibi_additive']):\n"
         "        inputs = t.testing.random_inputs(case, dtype, 1, g)\n"
-        "        t.testing.check_inputs(t.testing.run_attention(inputs, 'cpu'), inputs)\n")
-    env = dict(os.environ, FUSED_ATTN_CPU_ISA=isa, FUSED_ATTN_CPU_BLOCK_Q="16", FUSED_ATTN_CPU_BLOCK_K="24")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+        "        t.testing.check_inputs(t.testing.run_attention(inputs, 'cpu'), inputs)\n"))
 
 
 def test_aten_cpu_capability_is_honoured(monkeypatch):
@@ -694,3 +700,203 @@ def test_program_of_full_tiles_equals_no_program(generator, monkeypatch):
     with_program = testing.run_attention(dataclasses.replace(inputs, program=program), "cpu")
     for name, value in plain.named().items():
         assert torch.equal(value, with_program.named()[name]), name
+
+
+# 8-bit key/value caches (fused_attn.quantization) read by paged_forward in place, against the reference backend's
+# forward_paged, which dequantizes a gathered copy (in float64 for the exact result, in the query's dtype for the
+# same-dtype one). Each sequence's blocks lie shuffled among spare ones; what lies past a sequence's end (its last
+# block's tail, blocks the table does not name, table entries that are no block) is poison: NaN scales per token,
+# and bytes 0x7f (e4m3fn's NaN, int8's largest) in the blocks.
+QUANTIZED_CASES = {
+    "decode_gqa_blocks_of_16": dict(len_q=1, heads_q=8, heads_kv=2, block_size=16, lengths=(70, 33, 0)),
+    "decode_window_alibi_sinks_blocks_of_1": dict(len_q=3, heads_q=4, heads_kv=1, block_size=1, lengths=(40, 17),
+                                                  is_causal=True, window=(20, -1), alibi=True, sinks=True),
+    "decode_softcap_odd_blocks_dims": dict(len_q=16, heads_q=6, heads_kv=3, block_size=7, lengths=(50, 1, 33),
+                                           softcap=3.0, dim=20, dim_v=12),
+    "decode_gqa_strided_dims": dict(len_q=1, heads_q=4, heads_kv=2, block_size=5, lengths=(23, 40), dim_stride=2),
+    "decode_one_block_per_sequence": dict(len_q=2, heads_q=2, heads_kv=2, block_size=64, lengths=(64, 40),
+                                          is_causal=True),
+    "decode_split_keys": dict(len_q=1, heads_q=2, heads_kv=1, block_size=16, lengths=(1100,), alibi=True),
+    "long_queries_causal_odd_blocks": dict(len_q=37, heads_q=4, heads_kv=2, block_size=7, lengths=(60, 45),
+                                           is_causal=True, alibi=True),
+    "long_queries_window_softcap_sinks": dict(len_q=20, heads_q=2, heads_kv=2, block_size=16, lengths=(90, 0),
+                                              window=(30, 5), softcap=2.0, sinks=True, dim=24),
+}
+CACHE_DTYPES = [torch.float8_e4m3fn, torch.int8]
+
+
+def quantized_cache(generator, dense, lengths, block_size, cache_dtype, per_token, block_table, num_blocks,
+                    dim_stride=1):
+    """`dense` (B, H_kv, L_k, D) in 8-bit blocks (num_blocks, block_size, H_kv, D) at `block_table`, D at
+    `dim_stride`, with its float32 scales, per token (num_blocks, block_size, H_kv) or per sequence (B, H_kv),
+    neither of them contiguous; past each sequence's length and in the blocks nobody owns, poison."""
+    from fused_attn import quantization
+
+    batch, heads_kv, len_k, dim = dense.shape
+    # Some keys far larger than the others, so that per-sequence scales leave most values well below full range.
+    dense = dense * torch.where(torch.rand(batch, heads_kv, len_k, 1, generator=generator) < 0.1, 4.0, 1.0)
+    if per_token:
+        dense_scales = quantization.token_scales(dense, cache_dtype)
+        scales = torch.full((heads_kv, num_blocks, 2 * block_size), float("nan")).permute(1, 2, 0)[:, ::2]
+    else:
+        largest = dense.abs().amax(dim=(2, 3)).float() / quantization.LARGEST[cache_dtype]
+        scales = (largest * (1 + torch.rand(batch, heads_kv, generator=generator))).t().contiguous().t()
+        dense_scales = scales[:, :, None].expand(batch, heads_kv, len_k)
+    stored = quantization.quantize(dense, dense_scales, cache_dtype).view(torch.int8)
+    # (num_blocks, H_kv, block_size, D) storage: the rows of a block are not adjacent in memory.
+    raw = torch.full((num_blocks, heads_kv, block_size, dim * dim_stride), 0x7F, dtype=torch.int8)
+    raw = raw[..., ::dim_stride].transpose(1, 2)
+    for b in range(batch):  # only the sequence's keys: the rest keeps its poison
+        keys = slice(0, int(lengths[b]))
+        block, row = block_table[b].long().repeat_interleave(block_size)[keys], torch.arange(len_k)[keys] % block_size
+        raw[block, row] = stored[b, :, keys].transpose(0, 1)
+        if per_token:
+            scales[block, row] = dense_scales[b, :, keys].t()
+    return raw.view(cache_dtype), scales
+
+
+def run_quantized_case(generator, name, dtype, cache_dtype, per_token):
+    """QUANTIZED_CASES[name] through the cpu backend's forward_paged against the reference's, by the criterion."""
+    from fused_attn.scores import variant_of
+
+    case = QUANTIZED_CASES[name]
+    lengths = torch.tensor(case["lengths"])
+    batch, block_size = len(lengths), case["block_size"]
+    heads_q, heads_kv, len_q = case["heads_q"], case["heads_kv"], case["len_q"]
+    dim, dim_v = case.get("dim", 16), case.get("dim_v", case.get("dim", 16))
+    max_blocks = -(-int(lengths.max()) // block_size) + 1  # a last block past every sequence's end
+    len_k = max_blocks * block_size
+    num_blocks = batch * max_blocks + 3
+    block_table = torch.randperm(num_blocks, generator=generator)[:batch * max_blocks].view(batch, max_blocks).int()
+    keys, values = (torch.randn(batch, heads_kv, len_k, d, generator=generator) for d in (dim, dim_v))
+    k_blocks, k_scale = quantized_cache(generator, keys, lengths, block_size, cache_dtype, per_token, block_table,
+                                        num_blocks, case.get("dim_stride", 1))
+    v_blocks, v_scale = quantized_cache(generator, values, lengths, block_size, cache_dtype, per_token, block_table,
+                                        num_blocks, case.get("dim_stride", 1))
+    for b in range(batch):  # entries past a sequence's last block need not be blocks at all
+        block_table[b, -(-int(lengths[b]) // block_size) + 1:] = -1 if b % 2 else num_blocks + 7
+    padding = torch.arange(len_k)[None, :] >= lengths[:, None]
+    query = testing.strided(torch.randn(batch, heads_q, len_q, dim, generator=generator).to(dtype), "heads_inner")
+    alibi = torch.rand(heads_q, batch, generator=generator).t() * 0.5 if case.get("alibi") else None
+    sinks = torch.randn(heads_q, generator=generator) * 2.0 if case.get("sinks") else None
+    variant = variant_of(query, "bottom_right", case.get("window"), case.get("softcap"), alibi, sinks)
+    scale = dim ** -0.5
+
+    def forward_paged(backend, q, call_variant):
+        out = torch.full((batch, len_q, heads_q, dim_v), float("nan"), dtype=q.dtype).transpose(1, 2)
+        lse = registry.get(backend).forward_paged(q, k_blocks, v_blocks, block_table, None, padding,
+                                                  case.get("is_causal", False), scale, out, call_variant,
+                                                  k_scale=k_scale, v_scale=v_scale)
+        return testing.Results(out, lse)
+
+    exact_variant = variant if sinks is None else dataclasses.replace(variant, sinks=sinks.double())
+    exact = forward_paged("reference", query.double(), exact_variant)
+    same_dtype = forward_paged("reference", query, variant)
+    actual = forward_paged("cpu", query, variant)
+    testing.assert_close_to_reference(actual, exact, same_dtype, dtype)
+    hidden = lengths == 0  # a sequence with no key: output 0 and lse -inf (or the sink)
+    assert (actual.out[hidden] == 0).all()
+    if sinks is None:
+        assert (actual.lse[hidden] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("decode", ["1", "0"], ids=["decode_kernels", "long_query_kernels"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sequence", "per_token"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(QUANTIZED_CASES))
+def test_quantized_cache_meets_criterion(generator, small_blocks, monkeypatch, name, dtype, cache_dtype, per_token,
+                                         decode):
+    """FUSED_ATTN_CPU_DECODE=0 runs the long-query kernels on the decode cases too."""
+    monkeypatch.setenv("FUSED_ATTN_CPU_DECODE", decode)
+    run_quantized_case(generator, name, dtype, cache_dtype, per_token)
+
+
+def dequantized_by_the_kernels(stored, scale):
+    """The float32 output of one query over one key whose values are `stored` (1-D, 8-bit) under `scale`: that
+    key's dequantized values, through the kernels' loads."""
+    k_blocks = torch.zeros(1, 1, 1, 4, dtype=stored.dtype)
+    v_blocks = stored.view(1, 1, 1, -1)
+    out = torch.empty(1, 1, 1, stored.numel())
+    scales = torch.tensor([[scale]])
+    torch.ops.fused_attn.paged_forward(torch.randn(1, 1, 1, 4), k_blocks, v_blocks, torch.zeros(1, 1, dtype=torch.int32),
+                                       None, None, False, 1.0, out, k_scale=scales, v_scale=scales)
+    return out.flatten()
+
+
+def check_every_8bit_value():
+    """Every byte of both formats but e4m3fn's NaN, e4m3fn's subnormals included, dequantized exactly by the decode
+    and the long-query kernels, also with denormals flushed (torch.set_flush_denormal)."""
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    decode = os.environ.get("FUSED_ATTN_CPU_DECODE")
+    try:
+        for cache_dtype, kernels, flush in itertools.product(CACHE_DTYPES, ("1", "0"), (False, True)):
+            stored = codes.view(cache_dtype)
+            if cache_dtype == torch.float8_e4m3fn:
+                stored = stored[~stored.float().isnan()]
+            os.environ["FUSED_ATTN_CPU_DECODE"] = kernels
+            torch.set_flush_denormal(flush)
+            for scale in (1.0, 0.37):
+                expected = stored.float() * scale
+                torch.testing.assert_close(dequantized_by_the_kernels(stored, scale), expected, rtol=4e-7, atol=0)
+    finally:
+        torch.set_flush_denormal(False)
+        if decode is None:
+            os.environ.pop("FUSED_ATTN_CPU_DECODE", None)
+        else:
+            os.environ["FUSED_ATTN_CPU_DECODE"] = decode
+
+
+def test_every_8bit_value_is_dequantized_exactly():
+    check_every_8bit_value()
+
+
+@pytest.mark.parametrize("isa", list(ISA_FLAGS))
+def test_quantized_cache_on_every_instruction_set(isa):
+    """Each compiled copy of the kernels on 8-bit caches (each has its own vector conversions), in a fresh process."""
+    run_on_instruction_set(isa, (
+        "import torch, tests.test_cpu as t\n"
+        "t.check_every_8bit_value()\n"
+        "g = torch.Generator().manual_seed(2)\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    for cache_dtype in t.CACHE_DTYPES:\n"
+        "        for name in ('decode_gqa_blocks_of_16', 'decode_softcap_odd_blocks_dims',\n"
+        "                     'long_queries_causal_odd_blocks'):\n"
+        "            for per_token in (False, True):\n"
+        "                t.run_quantized_case(g, name, dtype, cache_dtype, per_token)\n"))
+
+
+def bad_paged_call(**changes):
+    """A paged_forward call over an int8 cache (4 blocks of 3 keys, per-sequence scales) with arguments replaced."""
+    args = dict(query=torch.randn(2, 4, 1, 8), k_blocks=torch.zeros(4, 3, 2, 8, dtype=torch.int8),
+                v_blocks=torch.zeros(4, 3, 2, 5, dtype=torch.int8), block_table=torch.tensor([[0, 1], [2, 3]]).int(),
+                attn_mask=None, key_padding_mask=None, is_causal=False, scale=0.5, out=torch.empty(2, 4, 1, 5),
+                k_scale=torch.ones(2, 2), v_scale=torch.ones(2, 2))
+    args.update(changes)
+    scales = {name: args.pop(name) for name in ("k_scale", "v_scale")}
+    return lambda: torch.ops.fused_attn.paged_forward(*args.values(), **scales)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(k_scale=torch.ones(2, 2, dtype=torch.float64)), "k_scale: expected dtype float32"),
+    (dict(v_scale=torch.ones(2, 3)), "v_scale: expected shape"),
+    (dict(k_scale=torch.ones(4, 3)), "k_scale: expected shape"),
+    (dict(v_scale=torch.ones(4, 3, 2)), "v_scale: expected k_scale's layout"),
+    (dict(v_scale=None), "v_scale: expected scales for key and value alike"),
+    (dict(k_scale=None, v_scale=None), "k_scale: expected the float32 scales"),
+    (dict(k_blocks=torch.zeros(4, 3, 2, 8), v_blocks=torch.zeros(4, 3, 2, 5)), "k_blocks: expected dtype float8_e4m3fn"),
+    (dict(v_blocks=torch.zeros(4, 3, 2, 5, dtype=torch.float8_e4m3fn)), "v_blocks: expected k_blocks' dtype"),
+    (dict(query=torch.randn(2, 4, 1, 8, dtype=torch.float64), out=torch.empty(2, 4, 1, 5, dtype=torch.float64)),
+     "query: expected dtype float32, bfloat16 or float16"),
+])
+def test_bad_quantized_cache_arguments_raise(changes, message):
+    with pytest.raises(RuntimeError, match=message):
+        bad_paged_call(**changes)()
+    bad_paged_call()()  # the unchanged call runs
+
+
+def test_reads_quantized_cache_in_place():
+    """The registry reports no dequantized copy for the cpu backend."""
+    q = torch.empty(1, 1, 1, 4)
+    problem = fused_attn.problem.Problem.of(q, q, q, None, None, False, 0.0)._replace(cache_dtype=torch.int8)
+    assert registry.get("cpu").reads_quantized_cache and registry.get("cpu").notes(problem) == []

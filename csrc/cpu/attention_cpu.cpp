@@ -61,10 +61,12 @@ void check_tensor(const char* op, const char* name, const at::Tensor& t, int64_t
               t.scalar_type());
 }
 
-// Shapes, dtypes and devices of query, key, value and the masks; fills everything but outputs.
+// Shapes, dtypes and devices of query, key, value and the masks; fills everything but outputs. Key and value
+// are of the query's dtype, or of `cache_dtype` (an 8-bit cache's, checked by check_scales).
 Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                 const std::optional<at::Tensor>& attn_mask,
-                const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale) {
+                const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
+                std::optional<at::ScalarType> cache_dtype = std::nullopt) {
   TORCH_CHECK(query.defined() && key.defined() && value.defined(), op,
               ": query, key and value must be tensors");
   TORCH_CHECK(query.dim() == 4, op, ": query: expected a 4-D tensor (B, H_q, L_q, D), got shape ",
@@ -84,8 +86,8 @@ Params describe(const char* op, const at::Tensor& query, const at::Tensor& key, 
   p.dim_v = value.size(3);
   const auto dtype = query.scalar_type();
   check_tensor(op, "query", query, 4, query.sizes(), dtype);
-  check_tensor(op, "key", key, 4, {p.batch, p.heads_kv, p.len_k, p.dim_qk}, dtype);
-  check_tensor(op, "value", value, 4, {p.batch, p.heads_kv, p.len_k, p.dim_v}, dtype);
+  check_tensor(op, "key", key, 4, {p.batch, p.heads_kv, p.len_k, p.dim_qk}, cache_dtype.value_or(dtype));
+  check_tensor(op, "value", value, 4, {p.batch, p.heads_kv, p.len_k, p.dim_v}, cache_dtype.value_or(dtype));
   TORCH_CHECK(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, op,
               ": key: expected a number of heads dividing the query's ", p.heads_q, ", got ",
               p.heads_kv);
@@ -306,9 +308,11 @@ std::string cpu_kernels(at::ScalarType dtype) {
   return isa + "; " + products;
 }
 
-// The blocks and block table of a paged cache (paged_forward); undefined tensors for a dense one.
+// The blocks and block table of a paged cache (paged_forward); undefined tensors for a dense one. An 8-bit
+// cache has its scales (check_scales); undefined for one of the query's dtype.
 struct PagedCache {
   at::Tensor k_blocks, v_blocks, block_table;
+  at::Tensor k_scale, v_scale;
 };
 
 // Reads key and value through the cache's block table when `paged` has one.
@@ -328,15 +332,67 @@ void describe_pages(Params& p, const PagedCache& paged) {
   p.pages = paged.block_table.data_ptr<int32_t>();
   p.pages_stride = paged.block_table.stride(0);
   p.page_size = paged.k_blocks.size(1);
+  if (!paged.k_scale.defined()) return;
+  p.cache = paged.k_blocks.scalar_type() == at::kFloat8_e4m3fn ? CacheType::Float8E4M3 : CacheType::Int8;
+  p.token_scales = paged.k_scale.dim() == 3;
+  const auto scales_view = [&](const at::Tensor& scales) {  // (num_blocks or B, H_kv, block_size or none)
+    View v;
+    v.data = scales.data_ptr();
+    v.s[0] = scales.stride(0);
+    v.s[1] = p.token_scales ? scales.stride(2) : scales.stride(1);
+    v.s[2] = p.token_scales ? scales.stride(1) : 0;
+    return v;
+  };
+  p.k_scale = scales_view(paged.k_scale);
+  p.v_scale = scales_view(paged.v_scale);
 }
 
-// The blocks each batch row visits, [0, ⌈end of its key span / block_size⌉), must index the cache.
+// An 8-bit cache's blocks and scales (paged_forward): float8_e4m3fn or int8 blocks, both alike, with float32
+// k_scale and v_scale, both (B, H_kv) (per sequence and head) or both (num_blocks, block_size, H_kv) (per stored
+// key and head), any strides, under a query of float32, bfloat16 or float16. Without scales, the blocks are of
+// the query's dtype (describe checks it).
+void check_scales(const char* op, const at::Tensor& query, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
+                  const at::Tensor& block_table, const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  const auto type = k_blocks.scalar_type();
+  const bool eight_bit = type == at::kFloat8_e4m3fn || type == at::kChar;
+  if (!k_scale.defined() && !v_scale.defined()) {
+    TORCH_CHECK(!eight_bit, op, ": k_scale: expected the float32 scales of the ", type, " cache, got none");
+    return;
+  }
+  TORCH_CHECK(k_scale.defined() && v_scale.defined(), op, ": ", k_scale.defined() ? "v_scale" : "k_scale",
+              ": expected scales for key and value alike, got them for one of them only");
+  TORCH_CHECK(eight_bit, op, ": k_blocks: expected dtype float8_e4m3fn or int8 with k_scale and v_scale, got ", type);
+  TORCH_CHECK(v_blocks.scalar_type() == type, op, ": v_blocks: expected k_blocks' dtype ", type, ", got ",
+              v_blocks.scalar_type());
+  const auto query_type = query.scalar_type();
+  TORCH_CHECK(query_type == at::kFloat || query_type == at::kBFloat16 || query_type == at::kHalf, op,
+              ": query: expected dtype float32, bfloat16 or float16 over an 8-bit cache, got ", query_type);
+  const std::vector<int64_t> per_sequence = {block_table.size(0), k_blocks.size(2)};
+  const std::vector<int64_t> per_token = k_blocks.sizes().slice(0, 3).vec();
+  for (const auto& [name, scales] : {std::pair<const char*, const at::Tensor&>{"k_scale", k_scale},
+                                     std::pair<const char*, const at::Tensor&>{"v_scale", v_scale}}) {
+    TORCH_CHECK(scales.device().is_cpu() && scales.layout() == at::kStrided, op, ": ", name,
+                ": expected a strided CPU tensor, got ", scales.layout(), " on ", scales.device());
+    TORCH_CHECK(scales.scalar_type() == at::kFloat, op, ": ", name, ": expected dtype float32, got ",
+                scales.scalar_type());
+    TORCH_CHECK(scales.sizes() == at::IntArrayRef(per_sequence) || scales.sizes() == at::IntArrayRef(per_token), op,
+                ": ", name, ": expected shape (B, H_kv) = ", at::IntArrayRef(per_sequence),
+                " (per sequence) or (num_blocks, block_size, H_kv) = ", at::IntArrayRef(per_token),
+                " (per token), got ", scales.sizes());
+  }
+  TORCH_CHECK(k_scale.dim() == v_scale.dim(), op, ": v_scale: expected k_scale's layout (per ",
+              k_scale.dim() == 3 ? "token" : "sequence", "), got shape ", v_scale.sizes());
+}
+
+// The blocks each batch row visits, [0, ⌈end of its key span / block_size⌉), must index the cache (none for a row
+// whose padding hides every key).
 void check_pages(const char* op, const Params& p, const at::Tensor& block_table, int64_t num_blocks) {
   if (p.pages == nullptr) return;
   TORCH_CHECK(block_table.size(1) == 0 || block_table.stride(1) == 1, op,
               ": block_table: expected unit stride along its blocks, got strides ", block_table.strides());
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t end = p.key_spans == nullptr ? p.len_k : p.key_spans[2 * b + 1];
+    int64_t end = p.len_k;
+    if (p.key_spans != nullptr) end = p.key_spans[2 * b] < p.key_spans[2 * b + 1] ? p.key_spans[2 * b + 1] : 0;
     for (int64_t i = 0; i * p.page_size < end; ++i) {
       const int64_t block = p.pages[b * p.pages_stride + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block_table: entry (", b, ", ", i, ") = ", block,
@@ -354,7 +410,8 @@ at::Tensor forward_of(const char* op, const at::Tensor& query, const at::Tensor&
                       int64_t diagonal_shift, const std::optional<at::Tensor>& block_tiles,
                       const std::optional<at::Tensor>& block_bits, const std::optional<at::Tensor>& sinks,
                       const PagedCache& paged) {
-  Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale);
+  Params p = describe(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale,
+                      paged.k_scale.defined() ? std::optional(paged.k_blocks.scalar_type()) : std::nullopt);
   describe_pages(p, paged);
   p.dropout = describe_dropout(op, dropout_p, dropout_rng);
   describe_variant(op, p, query, window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift,
@@ -372,7 +429,8 @@ at::Tensor forward_of(const char* op, const at::Tensor& query, const at::Tensor&
   check_tensor(op, "out", out, 4, {p.batch, p.heads_q, p.len_q, p.dim_v}, query.scalar_type());
   const at::Tensor& key_memory = p.pages ? paged.k_blocks : key;
   const at::Tensor& value_memory = p.pages ? paged.v_blocks : value;
-  fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key_memory}, {"value", &value_memory}});
+  fused_attn::check_output_memory(op, "out", out, {{"query", &query}, {"key", &key_memory}, {"value", &value_memory},
+                                                  {"k_scale", &paged.k_scale}, {"v_scale", &paged.v_scale}});
   p.out = view_of(out);
   at::Tensor lse = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(lse_dtype(query.scalar_type())));
   p.lse = view_of(lse);
@@ -407,14 +465,16 @@ at::Tensor logical_cache(const char* op, const char* name, const at::Tensor& blo
 
 // flash_forward over a paged key/value cache: key j of sequence b is row j % block_size of block
 // block_table[b, j / block_size] of k_blocks (and of v_blocks for its value). Every block that holds a
-// key the call visits must be a valid index; the others are never read.
+// key the call visits must be a valid index; the others are never read. With k_scale and v_scale, an 8-bit
+// cache (check_scales), whose keys and values are dequantized where the kernels load them.
 at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, const at::Tensor& v_blocks,
                          const at::Tensor& block_table, const std::optional<at::Tensor>& attn_mask,
                          const std::optional<at::Tensor>& key_padding_mask, bool is_causal, double scale,
                          const at::Tensor& out, int64_t window_left, int64_t window_right, bool bottom_right,
                          double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t diagonal_shift,
                          const std::optional<at::Tensor>& block_tiles, const std::optional<at::Tensor>& block_bits,
-                         const std::optional<at::Tensor>& sinks) {
+                         const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
   const char* op = "paged_forward";
   TORCH_CHECK(block_table.dim() == 2, op, ": block_table: expected a 2-D tensor (B, max_blocks), got shape ",
               block_table.sizes());
@@ -424,9 +484,11 @@ at::Tensor paged_forward(const at::Tensor& query, const at::Tensor& k_blocks, co
               ", got shape ", v_blocks.sizes());
   const at::Tensor key = logical_cache(op, "k_blocks", k_blocks, block_table);
   const at::Tensor value = logical_cache(op, "v_blocks", v_blocks, block_table);
+  const at::Tensor k_scales = k_scale.value_or(at::Tensor()), v_scales = v_scale.value_or(at::Tensor());
+  check_scales(op, query, k_blocks, v_blocks, block_table, k_scales, v_scales);
   return forward_of(op, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, 0.0, std::nullopt,
                     window_left, window_right, bottom_right, softcap, alibi_slopes, diagonal_shift, block_tiles,
-                    block_bits, sinks, PagedCache{k_blocks, v_blocks, block_table});
+                    block_bits, sinks, PagedCache{k_blocks, v_blocks, block_table, k_scales, v_scales});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(

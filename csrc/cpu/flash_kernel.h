@@ -19,7 +19,8 @@
 //
 // Every tensor is read through its strides: each block is copied ("packed") into a small per-thread
 // buffer in the layout the matrix product wants, which is also where bf16/fp16 operands either stay
-// in their type (oneDNN brgemm: AMX, or AVX512-BF16 for bf16; see typed_products) or become float.
+// in their type (oneDNN brgemm: AMX, or AVX512-BF16 for bf16; see typed_products) or become float,
+// and where an 8-bit key/value cache (forward only) is dequantized into float.
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -367,6 +368,102 @@ inline const T* key_row(const Params& p, const View& view, const T* base, int64_
 // How many of the n keys from j on lie in j's cache block (all n when the cache is dense).
 inline int64_t keys_in_block(const Params& p, int64_t j, int64_t n) {
   return p.pages == nullptr ? n : std::min(n, p.page_size - j % p.page_size);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8-bit caches (Params::cache, fused_attn/quantization.py): key j of a cache block stands for its float8_e4m3fn or
+// int8 values times its float32 scale, and the products run in float. The long-query kernels dequantize each
+// block of keys and values into the float buffers they pack it into anyway; the decode kernels convert the stored
+// bytes inside their products (quantized_row_dots, add_quantized_values) where an item has few rows and the cache
+// is contiguous along D, and into float rows otherwise. Nothing dequantized outlives its block.
+
+// One stored byte as float: the int8 value; or the float8_e4m3fn bits s eeee mmm read as the fp16 s 0eeee mmm0000000,
+// which is 2^-8 times the stored value (fp16's exponent bias, 15, exceeds e4m3's by 8), subnormals included. The
+// vector loops below build that fp16 by sign extension, a shift by 7 and bit 14 cleared, and convert it with F16C,
+// exactly whatever the denormal mode. e4m3fn's NaN (s 1111 111) reads as ±480: fused_attn.quantization saturates at
+// ±448, so a cache it wrote holds no NaN.
+template <CacheType kType>
+inline float stored_value(int8_t byte) {
+  if constexpr (kType == CacheType::Int8) {
+    return static_cast<float>(byte);
+  } else {
+    const auto bits = static_cast<uint8_t>(byte);
+    return static_cast<float>(c10::Half(static_cast<uint16_t>((bits & 0x80) << 8 | (bits & 0x7f) << 7),
+                                        c10::Half::from_bits()));
+  }
+}
+
+// What multiplies stored_value to give a value under `scale`: the scale, times 2^8 for e4m3fn's fp16 reading.
+template <CacheType kType>
+inline float value_factor(float scale) {
+  return kType == CacheType::Int8 ? scale : scale * 256.f;
+}
+
+// stored_value of Vectorized<float>::size() bytes from src on, one per lane.
+template <CacheType kType>
+inline Vectorized<float> load_stored(const int8_t* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  if constexpr (kType == CacheType::Int8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  } else {
+    const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
+    return _mm512_cvtph_ps(_mm256_and_si256(shifted, _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  if constexpr (kType == CacheType::Int8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  } else {
+    const __m128i shifted = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes), 7);
+    return _mm256_cvtph_ps(_mm_and_si128(shifted, _mm_set1_epi16(static_cast<int16_t>(0xBFFF))));
+  }
+#else
+  __at_align__ float lanes[Vectorized<float>::size()];
+  for (int64_t i = 0; i < Vectorized<float>::size(); ++i) lanes[i] = stored_value<kType>(src[i]);
+  return Vectorized<float>::loadu(lanes);
+#endif
+}
+
+// dst[i] = the value of byte src[i * stride] times `scale`, i < n; vectorised along unit strides.
+template <CacheType kType>
+inline void dequantize_row(float* dst, const int8_t* src, int64_t stride, int64_t n, float scale) {
+  using V = Vectorized<float>;
+  const float factor = value_factor<kType>(scale);
+  int64_t i = 0;
+  if (stride == 1) {
+    for (; i + V::size() <= n; i += V::size()) (load_stored<kType>(src + i) * V(factor)).store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = stored_value<kType>(src[i * stride]) * factor;
+}
+
+// The scale of key j of key/value head hk of batch row b in `scales` (p.k_scale or p.v_scale); the next keys of j's
+// cache block follow at stride scales.s[2] (0: one scale per sequence and head).
+inline const float* scale_row(const Params& p, const View& scales, int64_t b, int64_t hk, int64_t j) {
+  const auto* base = static_cast<const float*>(scales.data);
+  return p.token_scales ? key_row(p, scales, base, b, hk, j) : base + b * scales.s[0] + hk * scales.s[1];
+}
+
+// Keys j .. j + n of key/value head hk of batch row b, within one cache block of the 8-bit `view` (p.key or p.value,
+// scaled by `scales`), as float rows dst[i * ld + d], d < dim. The kernels run with float operands on such a cache
+// (dispatch), so dst is float wherever this is reached.
+template <typename dst_t>
+void dequantize_keys(const Params& p, const View& view, const View& scales, int64_t b, int64_t hk, int64_t j,
+                     int64_t n, int64_t dim, dst_t* dst, int64_t ld) {
+  if constexpr (std::is_same_v<dst_t, float>) {
+    const int8_t* rows = key_row(p, view, static_cast<const int8_t*>(view.data), b, hk, j);
+    const float* scale = scale_row(p, scales, b, hk, j);
+    for (int64_t i = 0; i < n; ++i) {
+      if (p.cache == CacheType::Float8E4M3) {
+        dequantize_row<CacheType::Float8E4M3>(dst + i * ld, rows + i * view.s[2], view.s[3], dim,
+                                              scale[i * scales.s[2]]);
+      } else {
+        dequantize_row<CacheType::Int8>(dst + i * ld, rows + i * view.s[2], view.s[3], dim, scale[i * scales.s[2]]);
+      }
+    }
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is dequantized into float rows only");
+  }
 }
 
 inline KeyRange visible_keys(const Params& p, int64_t qi, KeyRange span) {
@@ -1025,11 +1122,16 @@ void forward_impl(const Params& p) {
   // Query rows that already are the A operand of S = Q Kᵀ (the operand type, contiguous along D,
   // no padding column) feed it in place, at their own row stride; others are packed per item.
   const bool q_in_place = std::is_same_v<scalar_t, ct> && p.query.s[3] == 1 && Dpad == D && p.query.s[2] >= D;
-  // So do value rows as the B operand of O += P V where that is plain row-major (not VNNI pairs).
-  const bool v_in_place = !vnni && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1 && p.value.s[2] >= Dv;
+  // So do value rows as the B operand of O += P V where that is plain row-major (not VNNI pairs). An 8-bit
+  // cache's keys are dequantized into float rows first (krows), then transposed into Kᵀ; its values straight
+  // into the B operand.
+  const bool quantized = p.cache != CacheType::Plain;
+  const bool v_in_place =
+      !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1 && p.value.s[2] >= Dv;
   using Buffers = SoftmaxBuffers<acc_t, ct>;
   const size_t scratch_bytes = (q_in_place ? 0 : Scratch::bytes<ct>(rows_per_item * Dpad)) +
                                Scratch::bytes<ct>(Dpad * BK) + (v_in_place ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
+                               (quantized ? Scratch::bytes<ct>(BK * D) : 0) +
                                Buffers::bytes(p, BQ, rows_per_item, BK, BKpad);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
@@ -1042,6 +1144,7 @@ void forward_impl(const Params& p) {
     ct* qbuf = q_in_place ? nullptr : scratch.take<ct>(rows_per_item * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* vbuf = v_in_place ? nullptr : scratch.take<ct>(BKpad * Dv);
+    ct* krows = quantized ? scratch.take<ct>(BK * D) : nullptr;
     Buffers buffers(scratch, p, BQ, rows_per_item, BK, BKpad);
     acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
@@ -1095,14 +1198,20 @@ void forward_impl(const Params& p) {
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
         // Kᵀ block as B (D × bk); V block as B (bk × Dv): packed once for all query blocks here.
-        pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
         const ct* v_rows = vbuf;
         int64_t ldv = Dv;
-        if (v_in_place) {
-          v_rows = reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0));
-          ldv = p.value.s[2];
+        if (quantized) {
+          dequantize_keys(p, p.key, p.k_scale, b, hk, k0, bk, D, krows, D);
+          pack_b(kbuf, krows, 1, D, D, Dpad, bk);
+          dequantize_keys(p, p.value, p.v_scale, b, hk, k0, bk, Dv, vbuf, Dv);
         } else {
-          pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+          pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
+          if (v_in_place) {
+            v_rows = reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0));
+            ldv = p.value.s[2];
+          } else {
+            pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+          }
         }
 
         for (int64_t r0 = 0; r0 < rows; r0 += BQ) {
@@ -1199,6 +1308,156 @@ void row_dots(const T* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int6
   }
 }
 
+// An 8-bit cache under up to kDotRows rows per item, its rows contiguous along D: the scores and P V read the
+// stored bytes themselves, each vector of them converted once for all the rows, and no float copy of K or V is
+// written (per key, the conversions and G·D/W multiply-adds of each product: the memory's time, where float rows
+// written and read back doubled the arithmetic).
+
+// f(std::integral_constant<CacheType, p.cache>{}, std::integral_constant<int, rows>{}), 1 <= rows <= kDotRows: the
+// kernels below take both as template arguments, so that the rows' accumulators live in registers.
+template <typename F>
+inline void with_cache_and_rows(CacheType cache, int64_t rows, const F& f) {
+  const auto with_rows = [&](auto type) {
+    switch (rows) {
+      case 1: return f(type, std::integral_constant<int, 1>{});
+      case 2: return f(type, std::integral_constant<int, 2>{});
+      case 3: return f(type, std::integral_constant<int, 3>{});
+      case 4: return f(type, std::integral_constant<int, 4>{});
+      case 5: return f(type, std::integral_constant<int, 5>{});
+      case 6: return f(type, std::integral_constant<int, 6>{});
+      case 7: return f(type, std::integral_constant<int, 7>{});
+      case 8: return f(type, std::integral_constant<int, 8>{});
+      default: TORCH_INTERNAL_ASSERT(false, "rows: expected 1 to ", kDotRows, ", got ", rows);
+    }
+  };
+  static_assert(kDotRows == 8, "with_cache_and_rows names each row count up to kDotRows");
+  if (cache == CacheType::Float8E4M3) {
+    with_rows(std::integral_constant<CacheType, CacheType::Float8E4M3>{});
+  } else {
+    with_rows(std::integral_constant<CacheType, CacheType::Int8>{});
+  }
+}
+
+// s[r · lds + j] = (q_r · k_j) · scale_j for r < R, j < n: q rows packed (R × D), the stored key rows at stride
+// ldk, key j's scale at scale[j · scale_stride]. Two accumulators per row take alternate vectors of D.
+template <CacheType kType, int R>
+void quantized_row_dots(const float* q, int64_t D, const int8_t* k, int64_t ldk, const float* scale,
+                        int64_t scale_stride, int64_t n, float* s, int64_t lds) {
+  using V = Vectorized<float>;
+  constexpr int64_t W = V::size();
+  const int64_t full = D / W * W;
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* key = k + j * ldk;
+    V acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = V(0.f);
+    int64_t d = 0;
+    for (; d + 2 * W <= full; d += 2 * W) {
+      const V k0 = load_stored<kType>(key + d), k1 = load_stored<kType>(key + d + W);
+      for (int r = 0; r < R; ++r) {
+        acc0[r] = at::vec::fmadd(V::loadu(q + r * D + d), k0, acc0[r]);
+        acc1[r] = at::vec::fmadd(V::loadu(q + r * D + d + W), k1, acc1[r]);
+      }
+    }
+    if (d < full) {
+      const V k0 = load_stored<kType>(key + d);
+      for (int r = 0; r < R; ++r) acc0[r] = at::vec::fmadd(V::loadu(q + r * D + d), k0, acc0[r]);
+    }
+    const float factor = value_factor<kType>(scale[j * scale_stride]);
+    for (int r = 0; r < R; ++r) {
+      float dot = at::vec::vec_reduce_all<float>([](V& x, V& y) { return x + y; }, acc0[r] + acc1[r]);
+      for (d = full; d < D; ++d) dot += q[r * D + d] * stored_value<kType>(key[d]);
+      s[r * lds + j] = dot * factor;
+    }
+  }
+}
+
+// Keys per run of add_quantized_values: their value rows stay in L1 while every vector of D passes over them.
+constexpr int64_t kValueRun = 64;
+
+// o[r · ldo + d] (= or +=) Σ_j p[r · ldp + j] · scale_j · v_j[d] for r < R, d < Dv, j < n: the stored value rows at
+// stride ldv, value j's scale at scale[j · scale_stride]. Per run of keys, the weights p · scale first, then C
+// vectors of D at a time against every key of the run (C · R accumulators, at least 4 chains of multiply-adds).
+template <CacheType kType, int R>
+void add_quantized_values(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, const float* scale,
+                          int64_t scale_stride, int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
+  using V = Vectorized<float>;
+  constexpr int64_t W = V::size();
+  constexpr int C = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+  if (!add) {
+    for (int r = 0; r < R; ++r) std::fill(o + r * ldo, o + r * ldo + Dv, 0.f);
+  }
+  float weights[R * kValueRun];
+  const auto pass = [&](auto chunks, int64_t d, const int8_t* values, int64_t m) {  // chunks vectors from d on
+    constexpr int kChunks = decltype(chunks)::value;
+    V acc[kChunks][R];
+    for (int c = 0; c < kChunks; ++c) {
+      for (int r = 0; r < R; ++r) acc[c][r] = V::loadu(o + r * ldo + d + c * W);
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      for (int c = 0; c < kChunks; ++c) {
+        const V stored = load_stored<kType>(values + j * ldv + d + c * W);
+        for (int r = 0; r < R; ++r) acc[c][r] = at::vec::fmadd(V(weights[r * kValueRun + j]), stored, acc[c][r]);
+      }
+    }
+    for (int c = 0; c < kChunks; ++c) {
+      for (int r = 0; r < R; ++r) acc[c][r].store(o + r * ldo + d + c * W);
+    }
+  };
+  const int64_t full = Dv / W * W;
+  for (int64_t j0 = 0; j0 < n; j0 += kValueRun) {
+    const int64_t m = std::min(kValueRun, n - j0);
+    const int8_t* values = v + j0 * ldv;
+    for (int64_t j = 0; j < m; ++j) {
+      const float factor = value_factor<kType>(scale[(j0 + j) * scale_stride]);
+      for (int r = 0; r < R; ++r) weights[r * kValueRun + j] = p[r * ldp + j0 + j] * factor;
+    }
+    int64_t d = 0;
+    for (; d + C * W <= full; d += C * W) pass(std::integral_constant<int, C>{}, d, values, m);
+    for (; d < full; d += W) pass(std::integral_constant<int, 1>{}, d, values, m);
+    for (; d < Dv; ++d) {
+      for (int64_t j = 0; j < m; ++j) {
+        const float stored = stored_value<kType>(values[j * ldv + d]);
+        for (int r = 0; r < R; ++r) o[r * ldo + d] += weights[r * kValueRun + j] * stored;
+      }
+    }
+  }
+}
+
+// The scores s (rows × n, row stride lds) of query rows q (packed, rows × D) against the keys k0 .. k0 + n of
+// head hk of batch row b, within one block of an 8-bit cache: quantized_row_dots. The operands are float wherever
+// this is reached (decode_impl runs float operands on an 8-bit cache).
+template <typename Q, typename S>
+void quantized_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
+                      int64_t lds) {
+  if constexpr (std::is_same_v<Q, float> && std::is_same_v<S, float>) {
+    const int8_t* keys = key_row(p, p.key, static_cast<const int8_t*>(p.key.data), b, hk, k0);
+    const float* scale = scale_row(p, p.k_scale, b, hk, k0);
+    with_cache_and_rows(p.cache, rows, [&](auto type, auto count) {
+      quantized_row_dots<decltype(type)::value, decltype(count)::value>(q, p.dim_qk, keys, p.key.s[2], scale,
+                                                                        p.k_scale.s[2], n, s, lds);
+    });
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is read with float operands only");
+  }
+}
+
+// o (rows × D_v, row stride ldo) = or += prob (rows × n, row stride ldp) times the values k0 .. k0 + n of head hk of
+// batch row b, within one block of an 8-bit cache: add_quantized_values.
+template <typename P, typename O>
+void quantized_values_product(const Params& p, const P* prob, int64_t ldp, int64_t rows, int64_t b, int64_t hk,
+                              int64_t k0, int64_t n, O* o, int64_t ldo, bool add) {
+  if constexpr (std::is_same_v<P, float> && std::is_same_v<O, float>) {
+    const int8_t* values = key_row(p, p.value, static_cast<const int8_t*>(p.value.data), b, hk, k0);
+    const float* scale = scale_row(p, p.v_scale, b, hk, k0);
+    with_cache_and_rows(p.cache, rows, [&](auto type, auto count) {
+      add_quantized_values<decltype(type)::value, decltype(count)::value>(prob, ldp, values, p.value.s[2], scale,
+                                                                          p.v_scale.s[2], n, p.dim_v, o, ldo, add);
+    });
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is read with float operands only");
+  }
+}
+
 // (A program's tiles are read by the long-query kernel: its blocks are the tiles' rows and columns.)
 inline bool takes_decode_path(const Params& p) {
   return p.use_decode && p.len_q > 0 && p.len_q <= kDecodeMaxQueries && !p.program.present();
@@ -1225,15 +1484,20 @@ void decode_impl(const Params& p) {
   const int64_t splits = decode_splits(p, at::get_num_threads());
   const int64_t items = p.batch * p.heads_kv * splits;
   // K rows feed the scores, and V rows the B operand of P V, as they lie when they are float and
-  // contiguous along D; bf16/fp16 rows computed in float are converted row by row (no transpose).
-  const bool k_in_place = !vnni && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
-  const bool v_in_place = !vnni && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
-  const bool k_as_float_rows = !vnni && !k_in_place;
+  // contiguous along D; bf16/fp16 rows computed in float are converted row by row (no transpose), and an
+  // 8-bit cache's rows dequantized so.
+  const bool quantized = p.cache != CacheType::Plain;
+  const bool k_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
+  const bool v_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
+  // An 8-bit cache's bytes feed both products themselves where they are few rows' and contiguous along D.
+  const bool k_stored = quantized && rows <= kDotRows && p.key.s[3] == 1;
+  const bool v_stored = quantized && rows <= kDotRows && p.value.s[3] == 1;
+  const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);
   using Buffers = SoftmaxBuffers<acc_t, ct>;
   const size_t scratch_bytes = Scratch::bytes<ct>(rows * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
                                (k_as_float_rows ? Scratch::bytes<ct>(BK * D) : 0) +
-                               (v_in_place ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
+                               (v_in_place || v_stored ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
                                Buffers::bytes(p, rows, rows, BK, BKpad);
   // With splits, each item's normalised output and log-sum-exp per row, merged afterwards.
   std::vector<acc_t> partial_out(splits > 1 ? items * rows * Dv : 0), partial_lse(splits > 1 ? items * rows : 0);
@@ -1252,7 +1516,7 @@ void decode_impl(const Params& p) {
     ct* qbuf = scratch.take<ct>(rows * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* krows = k_as_float_rows ? scratch.take<ct>(BK * D) : nullptr;
-    ct* vbuf = v_in_place ? nullptr : scratch.take<ct>(BKpad * Dv);
+    ct* vbuf = v_in_place || v_stored ? nullptr : scratch.take<ct>(BKpad * Dv);
     Buffers buffers(scratch, p, rows, rows, BK, BKpad);
     acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
@@ -1274,18 +1538,22 @@ void decode_impl(const Params& p) {
         bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
-        const scalar_t* k_block = key_row(p, p.key, K, b, hk, k0);
-        const scalar_t* v_block = key_row(p, p.value, Vt, b, hk, k0);
         if constexpr (vnni) {
-          pack_b(kbuf, k_block, p.key.s[3], p.key.s[2], D, Dpad, bk);
+          pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
           gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+        } else if (k_stored) {
+          quantized_scores(p, qbuf, rows, b, hk, k0, bk, sbuf, bk);
         } else {
-          const ct* k_float = reinterpret_cast<const ct*>(k_block);
-          int64_t ldk = p.key.s[2];
-          if (k_as_float_rows) {
+          const ct* k_float = krows;
+          int64_t ldk = D;
+          if (quantized) {
+            dequantize_keys(p, p.key, p.k_scale, b, hk, k0, bk, D, krows, D);
+          } else if (k_as_float_rows) {
+            const scalar_t* k_block = key_row(p, p.key, K, b, hk, k0);
             for (int64_t j = 0; j < bk; ++j) copy_row(krows + j * D, k_block + j * p.key.s[2], p.key.s[3], D);
-            k_float = krows;
-            ldk = D;
+          } else {
+            k_float = reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0));
+            ldk = p.key.s[2];
           }
           if (rows <= kDotRows) {
             row_dots(qbuf, rows, D, k_float, ldk, bk, sbuf, bk);
@@ -1302,11 +1570,17 @@ void decode_impl(const Params& p) {
                                  buffers.bits);
         }
         const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
-        if (v_in_place) {
-          gemm<ct, acc_t>(rows, Dv, bk, pbuf, ldp, reinterpret_cast<const ct*>(v_block), p.value.s[2], obuf, Dv,
-                          accumulate, p.use_brgemm);
+        if (v_stored) {
+          quantized_values_product(p, pbuf, ldp, rows, b, hk, k0, bk, obuf, Dv, accumulate);
+        } else if (v_in_place) {
+          gemm<ct, acc_t>(rows, Dv, bk, pbuf, ldp, reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0)),
+                          p.value.s[2], obuf, Dv, accumulate, p.use_brgemm);
         } else {
-          pack_b(vbuf, v_block, p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+          if (quantized) {
+            dequantize_keys(p, p.value, p.v_scale, b, hk, k0, bk, Dv, vbuf, Dv);
+          } else {
+            pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+          }
           gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, accumulate, p.use_brgemm);
         }
       }
@@ -1676,7 +1950,7 @@ void backward_impl(const Params& p) {
 // without AMX stays cheaper than transposing every K block into VNNI pairs for a product of so few
 // rows (4 × 32 heads of one query against 2048 keys: 8.5 ms in float, 10.9 ms through bf16 brgemm).
 inline bool typed_products(const Params& p, at::ScalarType type, bool dot_rows) {
-  if (!p.use_brgemm) return false;
+  if (!p.use_brgemm || p.cache != CacheType::Plain) return false;  // 8-bit caches: dequantized into float rows
   if (at::native::cpublas::could_pack(type)) return true;
 #if defined(FUSED_ATTN_AVX512_BF16)
   return type == at::kBFloat16 && p.bf16_brgemm && !dot_rows;

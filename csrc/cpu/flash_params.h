@@ -14,6 +14,9 @@
 namespace fused_attn_cpu {
 
 enum class Dtype { Float32, Float64, BFloat16, Float16 };
+// The elements of a paged key/value cache: the query's dtype, or 8-bit values with float32 scales
+// (fused_attn/quantization.py).
+enum class CacheType { Plain, Float8E4M3, Int8 };
 enum class MaskKind { None, Bool, Additive };
 
 // A strided view: element (i0, i1, i2, i3) lives at data + i0*s[0] + i1*s[1] + i2*s[2] + i3*s[3].
@@ -31,6 +34,14 @@ struct Params {
   // between blocks, s[2] between a block's rows. Null: key and value are dense (B, H_kv, L_k, D).
   const int32_t* pages = nullptr;
   int64_t pages_stride = 0, page_size = 0;
+  // An 8-bit paged cache (forward only): key and value hold float8_e4m3fn or int8 values, and key j stands for
+  // its values times its scale, a float32 of k_scale (v_scale for its value). Per token (token_scales), the
+  // scales are laid out like the keys without D: s[0] steps between blocks, s[1] between heads, s[2] between a
+  // block's rows, read through the same block table. Per sequence, s[0] steps between batch rows, s[1] between
+  // heads, and s[2] is 0. The kernels dequantize K and V into float rows where they load them.
+  CacheType cache = CacheType::Plain;
+  View k_scale, v_scale;
+  bool token_scales = false;
   MaskKind mask_kind = MaskKind::None;
   View mask;               // (B, H_q, L_q, L_k), stride 0 where it broadcasts
   View key_padding;        // bool (B, L_k) in s[0], s[1]; data null when absent or said by key_spans
