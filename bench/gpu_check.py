@@ -332,9 +332,9 @@ def attention_reference(q, k, v, causal: bool, rows: torch.Tensor):
     math = sdpa_kernel_call("MATH")
     mask = None
     if causal:  # top-left, as is_causal, for the selected rows
-        mask = torch.arange(k.shape[2], device=k.device)[None, :] <= rows.to(k.device)[:, None]
+        mask = torch.arange(k.shape[2], device=k.device)[None, :] <= rows[:, None]
     with torch.no_grad():
-        q_rows, keys, values = q[:1, :, rows.to(q.device)], k[:1], v[:1]
+        q_rows, keys, values = q[:1, :, rows], k[:1], v[:1]
         exact = math(q_rows.double(), keys.double(), values.double(), attn_mask=mask)
         return exact, testing.allowed_error("out", exact, math(q_rows, keys, values, attn_mask=mask), q.dtype)
 
@@ -346,13 +346,13 @@ def measure_attention(plan: Plan, shape: sweep.Shape) -> list[dict]:
     q, k, v = (torch.randn(shape.batch, shape.heads, shape.length, shape.head_dim, generator=generator)
                .to(plan.device, shape.dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(q.shape, generator=generator).to(plan.device, shape.dtype)
-    rows = sampled_rows(shape.length)
+    rows = sampled_rows(shape.length).to(plan.device)
     exact, allowed = attention_reference(q, k, v, shape.causal, rows)
     impls = attention_implementations(plan, shape)
     records = []
     for direction in sweep.DIRECTIONS:
         runs = {name: sweep.runner(fn, q, k, v, shape.causal, direction, grad) for name, fn in impls.items()}
-        outputs, refused = first_calls(runs, lambda out: out[:1, :, rows.to(plan.device)] if direction == "fwd" else None)
+        outputs, refused = first_calls(runs, lambda out: out[:1, :, rows] if direction == "fwd" else None)
         samples = samples_of(plan, {name: run for name, run in runs.items() if name not in refused})
         base = {"kind": "attention", "direction": direction, "dtype": dtype_name(shape.dtype), "batch": shape.batch,
                 "heads": shape.heads, "length": shape.length, "head_dim": shape.head_dim, "causal": shape.causal}
