@@ -497,6 +497,8 @@ def write_markdown(path: Path, plan: Plan, meta: dict, records: list[dict], verd
         lines.append(f"- {what} of every timed implementation against float64: {len(judged) - len(wrong)}/"
                      f"{len(judged)} within the bound")
         lines += [f"  - {wrong_output(record)}" for record in wrong]
+    lines += [f"- {record['shape']}: the run failed there, {record['reason']}" for record in records
+              if record.get("kind") == "crash"]
     flex = "FlexAttention under torch.compile" if plan.compile_flex else "FlexAttention uncompiled"
     lines += ["", f"## Attention: TFLOP/s, B·L = {plan.tokens}, H = {plan.heads}", "",
               f"Each SDPA kernel alone (`torch.nn.attention.sdpa_kernel`), {flex} (`{plan.flex_label}`); the "
@@ -532,6 +534,7 @@ def correctness_failures(plan: Plan, records: list[dict]) -> list[str]:
     failures += [f"check: {' '.join(line.split())}" for record in records if record.get("kind") == "check"
                  for line in record["failed"]]
     failures += [wrong_output(record) for record in records if record.get("correct") is False]
+    failures += [f"{record['shape']}: {record['reason']}" for record in records if record.get("kind") == "crash"]
     if not plan.backends:
         failures.append("no fused_attn GPU backend is available: nothing of fused_attn ran")
     return failures
@@ -599,12 +602,13 @@ def main(argv=None) -> int:
     records = run_tests(plan)
     print("\nCorrectness against the float64 reference (bench.check):")
     records.append(run_check(plan))
-    for shape in attention_shapes(plan):
-        print(f"timing {shape}", file=sys.stderr)
-        records += measure_attention(plan, shape)
-    for shape in decode_shapes(plan):
-        print(f"timing {shape}", file=sys.stderr)
-        records += measure_decode(plan, shape)
+    for measure, shapes in ((measure_attention, attention_shapes(plan)), (measure_decode, decode_shapes(plan))):
+        for shape in shapes:
+            print(f"timing {shape}", file=sys.stderr)
+            try:
+                records += measure(plan, shape)
+            except Exception as error:  # beyond one implementation's refusal (a CUDA error poisons the context)
+                records.append({"kind": "crash", "shape": str(shape), "reason": f"{type(error).__name__}: {error}"})
 
     stem = f"gpu-check{'-dry-run' if plan.dry_run else ''}-{meta['timestamp'].replace(':', '')}"
     paths = {suffix: args.results / f"{stem}.{suffix}" for suffix in ("jsonl", "md", "png")}

@@ -140,12 +140,14 @@ def test_failing_tests_and_outputs_beyond_the_bound_are_correctness_failures(chi
               "error": 0.5, "allowed_error": 0.01, "correct": False}
     forward = {"kind": "attention", "backend": "cpu", "dtype": "bfloat16", "batch": 2, "heads": 2, "length": 64,
                "head_dim": 16, "causal": True, "error": 0.25, "allowed_error": 0.02, "correct": False}
-    failures = gpu_check.correctness_failures(plan, [*records, decode, {**decode, "correct": True}, forward])
+    crash = {"kind": "crash", "shape": "bfloat16 B=1 H=16 L=16384 D=128", "reason": "AcceleratorError: CUDA error"}
+    failures = gpu_check.correctness_failures(plan, [*records, decode, {**decode, "correct": True}, forward, crash])
     assert failures == [f"tests `{records[0]['command']}`: {records[0]['summary']}",
                         "decode cpu float16 paged L_k=64: error 5.00e-01 > 1.00e-02",
-                        "attention cpu bfloat16 B=2 H=2 L=64 D=16 causal: error 2.50e-01 > 2.00e-02"]
+                        "attention cpu bfloat16 B=2 H=2 L=64 D=16 causal: error 2.50e-01 > 2.00e-02",
+                        "bfloat16 B=1 H=16 L=16384 D=128: AcceleratorError: CUDA error"]
     assert gpu_check.verdict(plan, [], failures, Path("r.md")).startswith(
-        "gpu-check DRY RUN (on the CPU, tiny shapes, cpu backend; not GPU numbers): FAIL — 3 correctness failures")
+        "gpu-check DRY RUN (on the CPU, tiny shapes, cpu backend; not GPU numbers): FAIL — 4 correctness failures")
     no_backend = gpu_check.correctness_failures(dataclasses.replace(plan, backends=()), [])
     assert no_backend == ["no fused_attn GPU backend is available: nothing of fused_attn ran"]
 
