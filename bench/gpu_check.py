@@ -70,7 +70,7 @@ class Plan:
     decode_heads: tuple[int, int]  # (H_q, H_kv)
     decode_head_dim: int
     decode_lengths: tuple[int, ...]
-    block_size: int  # keys per block of the paged caches (flash-attn takes multiples of 256)
+    block_size: int  # keys per block of the paged caches (flash-attn 2 asks for a multiple of 256)
     rounds: int
     tests: tuple[tuple[str, ...], ...]
     compile_flex: bool
