@@ -6,8 +6,9 @@ fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi
 padding, the same with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), the
 same with a mask program (fused_attn.masks) without and with dropout (forward, dK/dV, dQ), and
 for dK/dV causal with dropout and the gradient of a learned additive bias, alone and with the score variants;
-the split-KV decode kernels plain, with the score variants and over a paged cache, their combine plain and
-with sinks) for sm_80 and sm_90 with Triton's
+the forward and the split-KV decode kernels over a paged cache of the query's dtype, of int8 and of
+float8_e4m3fn (fused_attn.quantization, a scale per stored key), the decode kernels also plain and with
+the score variants, their combine plain and with sinks) for sm_80 and sm_90 with Triton's
 own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
 `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
 (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
@@ -59,12 +60,20 @@ FIXED_CONFIG = "BLOCK_M={block_m},{block_n}warps={warps},stages={stages}"
 # only; scores True is every score variant at once (window, bottom-right alignment, softcap, ALiBi, sinks)
 # and key padding, "packed" every score variant over a packed batch of sequences (fused_attn.varlen), "paged"
 # every score variant and key padding over a paged key/value cache (fused_attn.kvcache, the forward only),
-# "program" every score variant and key padding with a mask program (fused_attn.masks; HAS_PROGRAM).
+# "program" every score variant and key padding with a mask program (fused_attn.masks; HAS_PROGRAM);
+# "paged_int8" and "paged_fp8" as "paged" over an 8-bit cache (fused_attn.quantization) with a scale per stored key,
+# int8 or float8_e4m3fn (as its bits on sm_80, which has no fp8 type; as that type on sm_90; KV8, TOKEN_SCALES).
 # Sinks change the forward kernels' epilogue and the decode combine only (HAS_SINKS); the backward kernels
 # and the split-KV decode kernel take none (they compile as without them).
 PACKED = "packed"
 PAGED = "paged"
 PROGRAM = "program"
+PAGED_INT8 = "paged_int8"
+PAGED_FP8 = "paged_fp8"
+# The paged caches, by the dtype of their blocks (None: the query's).
+PAGED_CACHES = {PAGED: None, PAGED_INT8: "int8", PAGED_FP8: "float8_e4m3fn"}
+# Causal, no dropout, every score variant, over a paged cache of each kind.
+PAGED_VARIANTS = tuple((True, False, False, cache) for cache in PAGED_CACHES)
 PAGE_SIZE = 16  # vLLM's block size: keys of one tile come from several blocks
 VARIANTS = ((False, False, False, False), (True, False, False, False), (True, True, False, False),
             (True, False, False, True), (True, True, False, PACKED))
@@ -76,11 +85,11 @@ def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     if kernel == "bwd_dkdv":
         return (*VARIANTS, (True, True, True, False), (True, True, True, True), *PROGRAM_VARIANTS)
     if kernel == "decode":  # no dropout (calls with dropout take the long-query kernels), no packing
-        return ((False, False, False, False), (True, False, False, True), (True, False, False, PAGED))
+        return ((False, False, False, False), (True, False, False, True), *PAGED_VARIANTS)
     if kernel == "decode_combine":  # the score variants: the sinks, the only one the combine reads
         return ((False, False, False, False), (False, False, False, True))
     if kernel == "fwd":
-        return (*VARIANTS, (True, False, False, PAGED), *PROGRAM_VARIANTS)
+        return (*VARIANTS, *PAGED_VARIANTS, *PROGRAM_VARIANTS)
     if kernel == "bwd_dq":
         return (*VARIANTS, *PROGRAM_VARIANTS)
     return ((False, False, False, False), (False, False, False, PACKED))
@@ -145,8 +154,8 @@ def _fixed(constexprs, warps, stages, block_n=True):
     return text, {"num_warps": warps, "num_stages": stages}
 
 
-def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_grad, scores):
-    """(kernel fn, args, constexprs, fixed config or None, dtype) for one report row: the preprocess
+def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_grad, scores, target):
+    """(kernel fn, args, constexprs, fixed config or None, dtype) for one report row on `target`: the preprocess
     and the decode kernels come with their fixed (text, options); the other kernels take their default
     one in `_compile_row`."""
     import dataclasses
@@ -195,19 +204,24 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
                                       block_tiles=torch.empty(1, 1, tiles, tiles, dtype=torch.int32).expand(
                                           batch, heads, -1, -1),
                                       block_bits=torch.empty(tiles, masks.TILE, masks.WORDS, dtype=torch.int32))
-    padding = torch.zeros(batch, length, dtype=torch.bool) if scores in (True, PAGED, PROGRAM) else None
+    padding = torch.zeros(batch, length, dtype=torch.bool) if scores in (True, PROGRAM, *PAGED_CACHES) else None
     pages = None
-    if scores == PAGED:  # the cache's blocks in a table, as (num_blocks, H, block_size, D) views
+    if scores in PAGED_CACHES:  # the cache's blocks in a table, as (num_blocks, H, block_size, D) views
         blocks = batch * length // PAGE_SIZE
-        k, v = (tk.block_major(torch.empty(blocks, PAGE_SIZE, heads, head_dim, dtype=dtype)) for _ in range(2))
-        pages = tk.Pages(torch.empty(batch, length // PAGE_SIZE, dtype=torch.int32), PAGE_SIZE)
+        cache_dtype = getattr(torch, PAGED_CACHES[scores] or dtype_name)
+        fp8_type = (TARGETS[target] // 10, TARGETS[target] % 10) >= tk.FP8_CAPABILITY
+        k, v = (tk.cache_blocks(torch.empty(blocks, PAGE_SIZE, heads, head_dim, dtype=cache_dtype), fp8_type)
+                for _ in range(2))
+        # An 8-bit cache's scales, one per stored key and head: (num_blocks, block_size, H_kv).
+        scales = [torch.empty(blocks, PAGE_SIZE, heads) for _ in range(2)] if PAGED_CACHES[scores] else []
+        pages = tk.Pages(torch.empty(batch, length // PAGE_SIZE, dtype=torch.int32), PAGE_SIZE, *scales)
     if kernel in triton_decode.KERNELS:  # one query row per head against the keys, in 4 splits
         q1 = q[:, :, :1]
         part_o, part_lse = triton_decode.workspace(q1, k, v, 4)
         if kernel == "decode":
             args, constexprs = triton_decode.decode_args(q1, k, v, None, padding, causal, scale, variant, 4,
                                                          part_o, part_lse, pages)
-            fixed = _fixed(constexprs, triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES)
+            fixed = _fixed(constexprs, triton_decode.decode_warps(constexprs), triton_decode.DECODE_STAGES)
         else:
             args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4,
                                                           variant)
@@ -275,7 +289,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     from fused_attn.backends import triton_kernels as tk
 
     fn, args, constexprs, fixed, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
-                                                              dropout, bias_grad, scores)
+                                                              dropout, bias_grad, scores, target)
     if fixed is None:
         config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize, constexprs)
         constexprs = dict(constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn import masks, testing
+from fused_attn import masks, quantization, testing
 from fused_attn.backends import registry
 from fused_attn.backends.reference import ReferenceBackend
 from fused_attn.problem import lse_dtype
@@ -647,6 +647,259 @@ def test_public_attention_sinks_require_grad(name, dtype, generator):
     with tk.forced_configs(**SMALL_TILES):
         results = testing.run_attention(inputs, "triton")
     check_sinks(results, inputs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 8-bit key/value caches (fused_attn.quantization), read in place by forward_paged
+# ---------------------------------------------------------------------------------------------------
+
+CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def random_8bit(shape, dtype8, generator) -> torch.Tensor:
+    """8-bit values of every kind: int8 -127 .. 127; float8_e4m3fn every bit pattern but NaN's (zeros of both signs,
+    subnormals, +-448)."""
+    if dtype8 == torch.int8:
+        return torch.randint(-127, 128, shape, generator=generator, dtype=torch.int8)
+    bits = torch.randint(0, 254, shape, generator=generator)
+    return (bits + (bits >= 0x7F).long()).to(torch.uint8).view(torch.float8_e4m3fn)  # skips 0x7F and 0xFF
+
+
+def poison_8bit(cache: torch.Tensor, where: torch.Tensor) -> None:
+    """Fills the (block, row) entries `where` of 8-bit cache blocks, which no call may read, with NaN, or for int8
+    (no NaN) -128, which no quantized value is."""
+    if cache.dtype == torch.int8:
+        cache[where] = -128
+    else:
+        cache.view(torch.uint8)[where] = 0x7F
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedCase:
+    """A paged 8-bit cache of three sequences: empty, ending inside a block, filling every block of its row."""
+
+    len_q: int
+    block_size: int
+    max_blocks: int
+    cache: str  # a key of CACHE_DTYPES
+    layout: str  # "sequence": scales (B, H_kv); "token": (num_blocks, block_size, H_kv)
+    heads_q: int = 2
+    heads_kv: int = 2
+    dim: int = 16
+    dim_v: int = 16
+    bottom_right_window: tuple[int, int] | None = None  # (left, right), bottom-right aligned
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+    mask: bool = False  # a boolean (B, 1, L_q, L_k) mask, as attention_with_kvcache passes windows
+
+
+QUANTIZED_CASES = {
+    "decode_int8_tokens_gqa_softcap_block16": QuantizedCase(1, 16, 4, "int8", "token", heads_q=4, softcap=3.0),
+    "decode_fp8_sequences_alibi_sinks_block1": QuantizedCase(3, 1, 37, "fp8", "sequence", heads_kv=1,
+                                                             bottom_right_window=(-1, 0), alibi=True, sinks=True),
+    "decode_fp8_tokens_window_mask_block5": QuantizedCase(2, 5, 9, "fp8", "token", heads_q=3, heads_kv=3,
+                                                          bottom_right_window=(7, 0), mask=True),
+    "decode_int8_sequences_mqa_dv_block7": QuantizedCase(4, 7, 6, "int8", "sequence", heads_q=4, heads_kv=1,
+                                                         dim_v=24, softcap=2.0),
+    "long_int8_tokens_window_gqa_block5": QuantizedCase(20, 5, 10, "int8", "token", heads_q=4,
+                                                        bottom_right_window=(9, 0)),
+    "long_fp8_tokens_alibi_sinks_block16": QuantizedCase(18, 16, 3, "fp8", "token", bottom_right_window=(-1, 0),
+                                                         alibi=True, sinks=True, dim=20),
+    "long_fp8_sequences_softcap_mask_block1": QuantizedCase(17, 1, 45, "fp8", "sequence", softcap=2.5, mask=True),
+    "long_int8_sequences_dv_block3": QuantizedCase(20, 3, 14, "int8", "sequence", heads_q=4, heads_kv=1, dim_v=8),
+}
+
+
+def quantized_cache(case: QuantizedCase, generator):
+    """(query (fp32), k_blocks, v_blocks, table, key_padding_mask, mask, variant, k_scale, v_scale): the blocks and
+    per-token scales hold NaN (int8: -128) past each sequence's end and in the blocks the table does not name,
+    whose unused entries name no block; the scales have strides of their own (per sequence: the empty sequence's
+    is NaN)."""
+    batch, dtype8 = 3, CACHE_DTYPES[case.cache]
+    len_k = case.max_blocks * case.block_size
+    num_blocks = batch * case.max_blocks + 3
+    lengths = torch.tensor([0, len_k - case.block_size - 2 if case.block_size > 2 else len_k // 2, len_k])
+    # Block 0, where a masked lookup of the table lands, is never named: poisoned, as is what it reads of the scales.
+    table = (torch.randperm(num_blocks - 1, generator=generator)[:batch * case.max_blocks] + 1).view(batch, -1).int()
+    used = torch.arange(case.max_blocks)[None, :] * case.block_size < lengths[:, None]
+    blocks = [random_8bit((num_blocks, case.block_size, case.heads_kv, dim), dtype8, generator)
+              for dim in (case.dim, case.dim_v)]
+    largest = quantization.LARGEST[dtype8]
+    if case.layout == "token":  # (num_blocks, block_size, H_kv) views of (H_kv, num_blocks, 2 * block_size) buffers
+        scales = [((torch.rand(case.heads_kv, num_blocks, 2 * case.block_size, generator=generator) + 0.5) / largest)
+                  [:, :, ::2].permute(1, 2, 0) for _ in range(2)]
+    else:  # (B, H_kv) views of (H_kv, B) buffers
+        scales = [((torch.rand(case.heads_kv, batch, generator=generator) + 0.5) / largest).t() for _ in range(2)]
+        for scale in scales:
+            scale[0] = float("nan")
+    key_index = torch.arange(len_k)
+    stored = key_index[None, :] < lengths[:, None]
+    holds = torch.zeros(num_blocks, case.block_size, dtype=torch.bool)  # (block, row) holding a sequence's key
+    rows = (key_index % case.block_size).expand(batch, -1)
+    holds[table.long()[:, key_index // case.block_size][stored], rows[stored]] = True
+    for cache in blocks:
+        poison_8bit(cache, ~holds)
+    if case.layout == "token":
+        for scale in scales:
+            scale[~holds] = float("nan")
+    table = table.masked_fill(~used, num_blocks + 1000)
+    padding = ~stored
+    query = torch.randn(batch, case.heads_q, case.len_q, case.dim, generator=generator)
+    mask = None
+    if case.mask:
+        mask = (torch.rand(batch, 1, case.len_q, len_k, generator=generator) > 0.2).expand(-1, case.heads_q, -1, -1)
+    left, right = case.bottom_right_window or (-1, -1)
+    variant = ScoreVariant(bottom_right=case.bottom_right_window is not None, window_left=left, window_right=right,
+                           softcap=case.softcap,
+                           alibi_slopes=torch.rand(batch, case.heads_q, generator=generator) if case.alibi else None,
+                           sinks=torch.randn(case.heads_q, generator=generator) * 2 if case.sinks else None)
+    return query, *blocks, table, padding, mask, variant, *scales
+
+
+def run_quantized(backend, inputs, dtype, device) -> testing.Results:
+    """`forward_paged` of `quantized_cache`'s inputs with the query in `dtype` on `device`; NaN-filled output."""
+    query, k_blocks, v_blocks, table, padding, mask, variant, k_scale, v_scale = inputs
+    batch, heads_q, len_q, _ = query.shape
+    out = torch.full((batch, heads_q, len_q, v_blocks.shape[3]), float("nan"), dtype=dtype, device=device)
+    variant = dataclasses.replace(variant, **{name: tensor.to(device) for name in ("alibi_slopes", "sinks")
+                                              if (tensor := getattr(variant, name)) is not None})
+    lse = backend.forward_paged(query.to(device, dtype), k_blocks.to(device), v_blocks.to(device), table.to(device),
+                                None if mask is None else mask.to(device), padding.to(device), False, 0.3, out, variant,
+                                k_scale.to(device), v_scale.to(device))
+    return testing.Results(out, lse)
+
+
+def check_quantized(inputs, dtype) -> testing.Results:
+    """The kernels against the reference backend on the dequantized cache (its forward_paged), by the criterion; the
+    empty sequence's rows give output 0 and lse -inf (with sinks: the sink)."""
+    with tk.forced_configs(**SMALL_TILES):
+        actual = run_quantized(BACKEND, inputs, dtype, DEVICE)
+    oracle = ReferenceBackend()
+    testing.assert_close_to_reference(actual, run_quantized(oracle, inputs, torch.float64, "cpu"),
+                                      run_quantized(oracle, inputs, dtype, "cpu"), dtype)
+    sinks = inputs[6].sinks
+    assert (actual.out[0] == 0).all()
+    assert (actual.lse[0].cpu() == (float("-inf") if sinks is None else sinks[:, None])).all()
+    return actual
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(QUANTIZED_CASES))
+def test_quantized_paged_caches_match_reference(name, dtype, generator, monkeypatch):
+    """forward_paged over int8 and float8_e4m3fn blocks with per-sequence and per-token scales, by the decode
+    kernels (L_q <= 16, three splits) and the long-query forward (small tiles): the blocks are read in place,
+    dequantized where they are loaded, against the reference on the dequantized cache; what lies past each
+    sequence's end, in blocks no table entry names, or behind table entries that name no block (NaN values and
+    scales) is never read."""
+    from fused_attn.backends import triton_decode
+
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
+    case = QUANTIZED_CASES[name]
+    inputs = quantized_cache(case, generator)
+    keys = tk.cache_blocks(inputs[1], False)
+    assert triton_decode.takes(inputs[0], keys, keys, None, case.max_blocks * case.block_size) == \
+        name.startswith("decode")
+    check_quantized(inputs, dtype)
+
+
+@pytest.mark.parametrize("layout", ["sequence", "token"])
+def test_fp8_caches_read_as_their_type(layout, generator, monkeypatch):
+    """Where the GPU has an fp8 type (sm_89 on), Triton converts float8_e4m3fn blocks itself: the same kernels
+    with the blocks' own dtype (in the interpreter: its emulation of the conversion)."""
+    monkeypatch.setattr(tk, "reads_fp8_type", lambda device: True)
+    launched = []
+    original = tk.cache_blocks
+    monkeypatch.setattr(tk, "cache_blocks", lambda blocks, fp8_type: launched.append(original(blocks, fp8_type)) or
+                        launched[-1])
+    for len_q in (2, 17):  # decode, long-query
+        case = QuantizedCase(len_q, 4, 10, "fp8", layout, heads_q=4, softcap=2.0)
+        check_quantized(quantized_cache(case, generator), torch.float16)
+    assert launched and all(blocks.dtype == torch.float8_e4m3fn for blocks in launched)
+
+
+@triton.jit
+def _converted(X, Y, N: tl.constexpr):
+    """Y = X's 8-bit values as Y's dtype (`tk._cache_values` times the scale factor `tk._bits_factor`)."""
+    offs = tl.arange(0, N)
+    values = tk._cache_values(tl.load(X + offs), Y.dtype.element_ty) * tk._bits_factor(X)
+    tl.store(Y + offs, values.to(Y.dtype.element_ty))
+
+
+@pytest.mark.parametrize("fp8_type", [False, True], ids=["bits", "fp8_type"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_every_8bit_value_converts_exactly(dtype, fp8_type):
+    """All 256 float8_e4m3fn bit patterns (NaN at 0x7F and 0xFF) and int8 values, as the kernels convert them,
+    equal torch's conversion: exact in fp16, bf16 and fp32, subnormals included. (Triton's interpreter converts
+    the fp8 type's NaN to +-480, where the GPU gives NaN: those two are left out there.)"""
+    for values in (torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn),
+                   torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)):
+        out = torch.full((256,), 7.0, dtype=dtype, device=DEVICE)
+        _converted[(1,)](tk.cache_blocks(values[None, :, None], fp8_type)[0, 0].to(DEVICE), out, N=256)
+        out, expected = out.cpu(), values.to(dtype)
+        if fp8_type and tk.interpreting() and values.dtype == torch.float8_e4m3fn:
+            out, expected = out[~expected.isnan()], expected[~expected.isnan()]
+        assert torch.equal(out.isnan(), expected.isnan())
+        assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+
+
+def test_quantized_cache_arguments_are_checked():
+    """forward_paged refuses what the kernels cannot read: 8-bit blocks without scales of either layout, scales of
+    another dtype or shape, scales with blocks of the query's dtype."""
+    query = torch.randn(2, 2, 1, 8, device=DEVICE)
+    blocks = torch.zeros(5, 4, 2, 8, dtype=torch.int8, device=DEVICE)
+    table = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(2, 2, 1, 8, device=DEVICE)
+
+    def call(k_blocks, v_blocks, k_scale, v_scale):
+        BACKEND.forward_paged(query, k_blocks, v_blocks, table, None, None, False, 0.5, out, k_scale=k_scale,
+                              v_scale=v_scale)
+
+    sequence, token = torch.ones(2, 2, device=DEVICE), torch.ones(5, 4, 2, device=DEVICE)
+    call(blocks, blocks, sequence, sequence)
+    call(blocks, blocks, token, token)
+    for k_scale, v_scale in ((None, None), (sequence, token), (sequence.double(), sequence), (token, token[:, :3]),
+                             (sequence, None)):
+        with pytest.raises(ValueError, match="k_scale|v_scale"):
+            call(blocks, blocks, k_scale, v_scale)
+    with pytest.raises(TypeError, match="k_blocks, v_blocks"):
+        call(blocks, blocks.view(torch.float8_e4m3fn), sequence, sequence)
+    with pytest.raises(ValueError, match="scales are for an 8-bit cache"):
+        call(blocks.float(), blocks.float(), sequence, sequence)
+    assert BACKEND.reads_quantized_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_public_kvcache_reads_8bit_caches(dtype, generator):
+    """attention_with_kvcache with dense 8-bit caches and appends (quantized on the way in), backend "triton"
+    against "reference" in float64 and in the dtype: int8 with per-token scales, two queries (decode kernels);
+    float8_e4m3fn with per-sequence scales, seventeen queries (long-query kernels) and a window."""
+    batch, heads_q, heads_kv, dim, capacity = 3, 4, 2, 16, 40
+    lengths = torch.tensor([0, 9, 20], dtype=torch.int32)
+    for dtype8, layout, len_new, window in ((torch.int8, "token", 2, None), (torch.float8_e4m3fn, "sequence", 17,
+                                                                              (6, 0))):
+        largest = quantization.LARGEST[dtype8]
+        caches = [random_8bit((batch, heads_kv, capacity, dim), dtype8, generator) for _ in range(2)]
+        if layout == "token":
+            scales = [(torch.rand(batch, heads_kv, capacity, generator=generator) + 0.5) / largest for _ in range(2)]
+        else:
+            scales = [(torch.rand(batch, heads_kv, generator=generator) + 0.5) * 3 / largest for _ in range(2)]
+        # In the dtype, then exactly in float64: every run quantizes the same new keys into the same bytes.
+        query, new_k, new_v = (torch.randn(batch, heads, len_new, dim, generator=generator).to(dtype)
+                               for heads in (heads_q, heads_kv, heads_kv))
+
+        def run(backend, dtype_run, device):
+            out, lse = fused_attn.attention_with_kvcache(
+                query.to(device, dtype_run), *(c.clone().to(device) for c in caches), new_k.to(device, dtype_run),
+                new_v.to(device, dtype_run), cache_seqlens=lengths.to(device),
+                k_scale=scales[0].clone().to(device), v_scale=scales[1].clone().to(device), window_size=window,
+                softcap=2.0, return_lse=True, backend=backend)
+            return testing.Results(out, lse)
+
+        with tk.forced_configs(**SMALL_TILES):
+            actual = run("triton", dtype, DEVICE)
+        testing.assert_close_to_reference(actual, run("reference", torch.float64, "cpu"),
+                                          run("reference", dtype, "cpu"), dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Chosen automatically for CUDA tensors. Forward calls with few query rows (L_q <= 16) run the split-KV
 decode kernels of `triton_decode` (FUSED_ATTN_TRITON_DECODE=0 turns them off); packed batches
 (`attention_varlen`) run in one launch per kernel; paged key/value caches are read through their block
-table (`forward_paged`). Mask programs (fused_attn.masks) run in the long-query kernels at every L_q; a
+table (`forward_paged`), 8-bit ones (fused_attn.quantization: int8 or float8_e4m3fn blocks with float32
+scales per sequence or per stored key) in place, dequantized where the kernels load them
+(`reads_quantized_cache`). Mask programs (fused_attn.masks) run in the long-query kernels at every L_q; a
 packed batch with one runs one sequence at a time (fused_attn.backends.packed, each sequence with its row
 of the program: the varlen launch does not take one), and a paged cache takes none. Attention sinks fold
 into the forward kernels' log-sum-exp, so the backward kernels take them through the lse. With
@@ -19,6 +21,7 @@ import sys
 
 import torch
 
+from .. import quantization
 from ..problem import Problem
 from ..scores import FEATURES, PLAIN
 from . import packed, triton_compat
@@ -46,6 +49,28 @@ def _no_key_seen(query, out) -> torch.Tensor:
     return torch.full(query.shape[:3], float("-inf"), dtype=torch.float32, device=query.device)
 
 
+def _check_scales(query, k_blocks, v_blocks, k_scale, v_scale) -> None:
+    """What the kernels rely on to read a paged cache's scales (Backend.forward_paged): float32 (B, H_kv) or
+    (num_blocks, block_size, H_kv) for 8-bit blocks, both alike; none for blocks of the query's dtype."""
+    quantized = quantization.is_quantized(k_blocks)
+    if (k_blocks.dtype, v_blocks.dtype) != ((k_blocks.dtype,) * 2 if quantized else (query.dtype,) * 2):
+        raise TypeError(f"triton: k_blocks, v_blocks: expected both of query's dtype {query.dtype} or both of one "
+                        f"8-bit dtype, got {k_blocks.dtype} and {v_blocks.dtype}")
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"triton: k_scale, v_scale: scales are for an 8-bit cache, got {k_blocks.dtype} blocks")
+        return
+    layouts = ((query.shape[0], k_blocks.shape[2]), tuple(k_blocks.shape[:3]))
+    expected = layouts[1] if isinstance(k_scale, torch.Tensor) and k_scale.dim() == 3 else layouts[0]
+    for name, scales in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.device != query.device \
+                or tuple(scales.shape) != expected:
+            raise ValueError(f"triton: {name}: {k_blocks.dtype} blocks need float32 scales on {query.device} of "
+                             f"shape {layouts[0]} or {layouts[1]}, both alike, got "
+                             f"{getattr(scales, 'dtype', type(scales).__name__)} of shape "
+                             f"{tuple(getattr(scales, 'shape', ()))}")
+
+
 class TritonBackend(Backend):
     name = "triton"
     devices = ("cuda",)
@@ -55,6 +80,7 @@ class TritonBackend(Backend):
     takes_mask_gradient = True
     takes_score_variants = frozenset(FEATURES)  # sinks: folded into the forward's lse (HAS_SINKS)
     takes_varlen = True  # the kernels read each sequence's bounds: one launch, no host synchronisation
+    reads_quantized_cache = True  # forward_paged: 8-bit blocks dequantized where the kernels load them
 
     def unavailable(self) -> str | None:
         if (reason := triton_compat.unsupported()) is not None:
@@ -99,16 +125,15 @@ class TritonBackend(Backend):
     def forward_paged(self, query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal, scale, out,
                       variant=PLAIN, k_scale=None, v_scale=None):
         self.check_variant(variant, is_causal)
-        if k_scale is not None:  # an 8-bit cache: dequantized (Backend.forward_paged)
-            return super().forward_paged(query, k_blocks, v_blocks, block_table, attn_mask, key_padding_mask, is_causal,
-                                         scale, out, variant, k_scale, v_scale)
         if variant.block_tiles is not None:  # attention_with_kvcache passes none
             raise ValueError("triton: block_tiles: forward_paged takes no mask program (forward does)")
+        _check_scales(query, k_blocks, v_blocks, k_scale, v_scale)
         kernels = _kernels()
         from . import triton_decode
 
-        pages = kernels.Pages(block_table, k_blocks.shape[1])
-        key, value = kernels.block_major(k_blocks), kernels.block_major(v_blocks)
+        pages = kernels.Pages(block_table, k_blocks.shape[1], k_scale, v_scale)
+        fp8_type = kernels.reads_fp8_type(query.device)
+        key, value = kernels.cache_blocks(k_blocks, fp8_type), kernels.cache_blocks(v_blocks, fp8_type)
         if out.numel() == 0 or pages.len_k == 0:
             return _no_key_seen(query, out)
         if triton_decode.takes(query, key, value, None, pages.len_k):

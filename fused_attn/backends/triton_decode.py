@@ -16,7 +16,8 @@ The split count comes from the problem and the device: enough programs for two p
 least `MIN_KEYS_PER_SPLIT` keys. Masks, key padding (its span narrows each split), the band (causal,
 windows, either alignment), softcap and ALiBi are read as the long-query kernels read them (the same
 `_in_band`, `_variant_scores`), attention sinks by the combine; dropout and mask programs are not (calls
-with either take the long-query kernels).
+with either take the long-query kernels). A paged cache's blocks are read through its block table, an 8-bit
+one dequantized where its tiles are loaded, as the long-query forward does (KV8, TOKEN_SCALES).
 """
 
 from __future__ import annotations
@@ -35,25 +36,30 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_QUERIES = 16      # L_q up to this takes the decode kernels ...
 MAX_ROWS = 64         # ... when its group's rows, G · L_q, fit one tile
 DECODE_WARPS, DECODE_STAGES = 4, 2
+# An 8-bit cache's conversions hold registers beside the tiles: with 4 warps the decode kernel spilled on sm_80 at
+# D = 128 (int8, per-token scales); 8 warps compile without (bench/triton_report.py).
+QUANTIZED_DECODE_WARPS = 8
 COMBINE_WARPS = 4
 
 
 @triton.jit
 def _attn_decode(
-    Q, K, V, MASK, KPM, SPANS, ALIBI, PAGES, PART_O, PART_LSE,
+    Q, K, V, MASK, KPM, SPANS, ALIBI, PAGES, KS, VS, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn, stride_ab, stride_ah, stride_tb, PAGE_SIZE,
+    stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
     H_KV, GROUP, L_Q, L_K, SPLITS, KEYS_PER_SPLIT, qk_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, KV8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One split of the keys for one key/value head's query group. The workspace is PART_O
-    (B, H_kv, SPLITS, BLOCK_M, BLOCK_DV) and PART_LSE (B, H_kv, SPLITS, BLOCK_M), contiguous, fp32."""
+    (B, H_kv, SPLITS, BLOCK_M, BLOCK_DV) and PART_LSE (B, H_kv, SPLITS, BLOCK_M), contiguous, fp32. An 8-bit
+    cache (KV8) is read as the long-query forward reads it (`tk._attn_fwd_keys`)."""
     pid = tl.program_id(0)
     split = pid % SPLITS
     pid_bh = pid // SPLITS
@@ -72,6 +78,11 @@ def _attn_decode(
                 + offs_dqk[None, :] * stride_qd, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
     k_base = K + off_hkv * stride_kh
     v_base = V + off_hkv * stride_vh
+    ks_base = KS + off_hkv * stride_ksh
+    vs_base = VS + off_hkv * stride_vsh
+    if KV8:
+        if not TOKEN_SCALES:  # the sequence's scales: of every score, and of the split's output at the end
+            qk_scale = qk_scale * tl.load(ks_base + off_b * stride_ksb) * tk._bits_factor(K)
     mask_base = MASK + off_b * stride_mb + offs_h[:, None] * stride_mh + offs_i64[:, None] * stride_mm
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
@@ -97,17 +108,29 @@ def _attn_decode(
         v_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
         k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
                       mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        key_scale = qk_scale
+        if KV8:
+            k_t = tk._cache_values(k_t, q.dtype)
+            if TOKEN_SCALES:
+                key_scale = qk_scale * tk._token_scales(ks_base, PAGES, off_b, offs_n, col_ok, stride_ksb, stride_ksn,
+                                                        stride_tb, PAGE_SIZE, tk._bits_factor(K), PAGED)[None, :]
         # No mask program (`takes` declines calls with one): a full tile, nothing read.
         s, _ = tk._visible_scores(q, k_t, offs_i[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
-                                  KPM + off_b * stride_pb, stride_pn, slope2[:, None], softcap2, qk_scale, DIAG,
+                                  KPM + off_b * stride_pb, stride_pn, slope2[:, None], softcap2, key_scale, DIAG,
                                   LEFT, RIGHT, PART_LSE, tk.PROGRAM_FULL, start_n, MASK_KIND, HAS_KPM, BANDED,
                                   SOFTCAP, HAS_ALIBI, False, PRECISION)
         p, alpha, m_new, l_i = tk._online_softmax(s, m_i, l_i)
         v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                     mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if KV8:
+            v = tk._dequantized_values(v, q.dtype, vs_base, PAGES, off_b, offs_n, col_ok, stride_vsb, stride_vsn,
+                                       stride_tb, PAGE_SIZE, tk._bits_factor(V), PAGED, TOKEN_SCALES)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
+    if KV8:
+        if not TOKEN_SCALES:
+            acc = tk._value_scaled(acc, l_i, vs_base + off_b * stride_vsb, tk._bits_factor(V))
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     part = (pid_bh.to(tl.int64) * SPLITS + split) * BLOCK_M
@@ -219,20 +242,25 @@ def block_n(dtype: torch.dtype, head_dim: int) -> int:
     return 32 if dtype == torch.float32 and head_dim > 64 else 64
 
 
+def decode_warps(constexprs) -> int:
+    """The decode kernel's warps for a launch with these constexprs (`decode_args`)."""
+    return QUANTIZED_DECODE_WARPS if constexprs["KV8"] else DECODE_WARPS
+
+
 def decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits, part_o, part_lse,
                 pages=None):
     """(positional args, constexprs) of `_attn_decode`, shared by the launch and the static report. With
-    `pages` (triton_kernels.Pages), key and value are the cache's `block_major` views."""
+    `pages` (triton_kernels.Pages), key and value are the cache's `cache_blocks` views."""
     batch, heads_q, len_q, dim_qk = query.shape
     heads_kv, dim_v = key.shape[1], value.shape[3]
     len_k = tk._lengths(query, key, None, pages)[1]
-    table, page_values, page_constexprs = tk.page_args(pages, part_lse)
+    page_pointers, page_values, page_constexprs = tk.page_args(pages, part_lse)
     mask, kind, mask_strides, padding, padding_strides, spans = tk._mask_args(attn_mask, key_padding_mask, query)
     alibi, alibi_strides, variant_values, variant_constexprs = tk._variant_args(variant, is_causal, len_q, len_k,
                                                                                 part_lse)
     bn = block_n(query.dtype, max(dim_qk, dim_v))
     keys_per_split = triton.cdiv(triton.cdiv(len_k, splits), bn) * bn
-    args = (query, key, value, mask, padding, spans, alibi, table, part_o, part_lse,
+    args = (query, key, value, mask, padding, spans, alibi, *page_pointers, part_o, part_lse,
             *query.stride(), *key.stride(), *value.stride(), *mask_strides, *padding_strides, *alibi_strides,
             *page_values, heads_kv, heads_q // heads_kv, len_q, len_k, splits, keys_per_split, float(scale) * tk.LOG2E,
             *variant_values)
@@ -267,7 +295,7 @@ def workspace(query, key, value, splits):
 
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, variant, pages=None) -> torch.Tensor:
     """Writes attention into `out`; returns the fp32 log-sum-exp (B, H_q, L_q). With `pages`
-    (triton_kernels.Pages), key and value are the cache's `block_major` views."""
+    (triton_kernels.Pages), key and value are the cache's `cache_blocks` views."""
     batch, heads_q, len_q, _ = query.shape
     heads_kv = key.shape[1]
     splits = split_count(batch, heads_kv, tk._lengths(query, key, None, pages)[1], query.device)
@@ -276,7 +304,7 @@ def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, ou
     args, constexprs = decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits,
                                    part_o, part_lse, pages)
     with tk._on_device(query):
-        _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=DECODE_WARPS,
+        _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=decode_warps(constexprs),
                                                    num_stages=DECODE_STAGES)
         args, constexprs = combine_args(part_o, part_lse, out, lse, heads_kv, splits, variant)
         _attn_decode_combine[(batch * heads_q * len_q,)](*args, **constexprs, num_warps=COMBINE_WARPS, num_stages=1)

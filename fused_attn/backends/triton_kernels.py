@@ -19,6 +19,23 @@ stride of 0; each program reads its sequence's bounds from the cumulative length
 and the grid is made for the longest sequence, so one launch per kernel serves the whole batch.
 Calls with few query rows take the split-KV kernels of `triton_decode` instead of the forward here.
 
+Paged key/value caches (fused_attn.kvcache; PAGED, the forward and the decode kernels): key j of batch row b
+is row j % block_size of block block_table[b, j // block_size] (`_key_offsets`). An 8-bit cache (fused_attn.quantization; KV8) is read in place: each K and V tile
+is converted where it is loaded, exactly, into the query's dtype (`_cache_values`), and the scales apply in
+registers. A key's scale multiplies its column of scores, (q . k8) * scale: per stored key (TOKEN_SCALES) a
+vector loaded through the same lookup as the keys (`_token_scales`), per sequence folded into the score
+scale once per program. Per stored key, the V tile is dequantized (each row times its scale, rounded once
+into the query's dtype: the values the dequantized cache holds; scaling P instead could push its products
+below fp16's normal range); per sequence, the accumulator is scaled once after the key loop
+(`_value_scaled`). Nothing dequantized is written back.
+
+float8_e4m3fn and Triton: a torch.float8_e4m3fn tensor is a pointer to tl.float8e4nv ("*fp8e4nv"), which
+Triton's NVIDIA backend supports from sm_89 on only; for sm_80 it refuses to compile a kernel that takes
+one ("type fp8e4nv not supported in this architecture": no emulation; so Triton 3.7.1 and 3.9.0). There
+the kernels read the bits (a uint8 view, `cache_blocks`) and convert them with integer operations; from
+sm_89 on Triton converts the type itself (`reads_fp8_type`). The interpreter stores fp8 as uint8 and
+converts it in NumPy; it runs the bits' conversion, the one sm_80 runs.
+
 The score variants of fused_attn.scores are constexpr switches: BANDED (query i sees keys
 i + DIAG - LEFT .. i + DIAG + RIGHT; causal is RIGHT = 0; a side without a bound gets L_Q + L_K,
 which no index pair reaches), SOFTCAP and HAS_ALIBI, applied by `_variant_scores` and `_in_band`
@@ -184,6 +201,69 @@ def _key_offsets(PAGES, off_b, offs_n, col_ok, stride_b, stride_n, stride_tb, PA
 
 
 @triton.jit
+def _cache_values(x, dtype):
+    """A tile of K or V as loaded, in `dtype` (the query's), exactly: a tile of that dtype as it is; int8 values;
+    float8_e4m3fn values, converted by Triton where the pointer has its fp8 type (sm_89 and later), or, loaded
+    as their bits (uint8: sm_80 and the interpreter, `cache_blocks`), the values times 2^-8, which the
+    scales undo (`_bits_factor`). e4m3's exponent (bias 7) and mantissa shifted into fp16's (bias 15) give
+    2^-8 times the value for normal and subnormal values alike (every one is exact in fp16, bf16 and fp32);
+    the magnitude 0x7F is NaN. int8 goes through fp16 too, where it is exact (Triton's interpreter converts int8
+    to bf16 as integer bits)."""
+    if x.dtype == tl.uint8:
+        bits = x.to(tl.int32)
+        magnitude = bits & 0x7F
+        half = tl.where(magnitude == 0x7F, 0x7E00, (magnitude << 7) | ((bits & 0x80) << 8))
+        x = half.to(tl.int16).to(tl.float16, bitcast=True)
+    elif x.dtype == tl.int8:
+        x = x.to(tl.float16)
+    return x.to(dtype)
+
+
+@triton.jit
+def _bits_factor(CACHE):
+    """What the scales of a cache read through pointer CACHE are multiplied by: 2^8 for float8_e4m3fn bits,
+    whose values `_cache_values` gives times 2^-8; else 1."""
+    factor = 1.0
+    if CACHE.dtype.element_ty == tl.uint8:
+        factor = 256.0
+    return factor
+
+
+@triton.jit
+def _token_scales(SCALES, PAGES, off_b, offs_n, load_ok, stride_sb, stride_sn, stride_tb, PAGE_SIZE, factor,
+                  PAGED: tl.constexpr):
+    """The float32 scales of keys offs_n (0 where not load_ok) times `factor`, from SCALES (one kv head's, in the
+    blocks' layout without D: strides stride_sb between blocks, stride_sn between rows), through the same
+    lookup as the keys (`_key_offsets`)."""
+    rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_sb, stride_sn, stride_tb, PAGE_SIZE, PAGED)
+    return tl.load(SCALES + rows, mask=load_ok, other=0.0) * factor
+
+
+@triton.jit
+def _dequantized_values(v, dtype, SCALES, PAGES, off_b, offs_n, load_ok, stride_sb, stride_sn, stride_tb, PAGE_SIZE,
+                        factor, PAGED: tl.constexpr, TOKEN_SCALES: tl.constexpr):
+    """An 8-bit V tile [keys, D] of keys offs_n as `dtype` for P V: with TOKEN_SCALES, each key's values times its
+    scale (`_token_scales`) rounded once into `dtype`, as the dequantized cache holds them (a rescaled P
+    could fall below fp16's normal range); else the 8-bit values, whose sequence scale the caller applies to the
+    accumulator."""
+    if TOKEN_SCALES:
+        scales = _token_scales(SCALES, PAGES, off_b, offs_n, load_ok, stride_sb, stride_sn, stride_tb, PAGE_SIZE,
+                               factor, PAGED)
+        v = (_cache_values(v, tl.float32) * scales[:, None]).to(dtype)
+    else:
+        v = _cache_values(v, dtype)
+    return v
+
+
+@triton.jit
+def _value_scaled(acc, l_i, SCALE, factor):
+    """The accumulator [rows, D] of P V over an 8-bit V times the sequence's scale (at SCALE, times `factor`),
+    in the rows that saw a key (`l_i` > 0, before any sink): the others keep 0, whatever the scale of a
+    sequence without keys holds."""
+    return tl.where((l_i > 0.0)[:, None], acc * (tl.load(SCALE) * factor), 0.0)
+
+
+@triton.jit
 def _in_band(q_idx, k_idx, DIAG, LEFT, RIGHT):
     """Whether query q_idx sees key k_idx through the band (indices broadcast against each other)."""
     distance = k_idx - (q_idx + DIAG)
@@ -336,16 +416,20 @@ def _fold_sink(m_i, l_i, sink2):
 
 
 @triton.jit
-def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok,
-                   mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb,
-                   stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, span_first, span_end,
-                   qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr,
-                   MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-                   SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, HAS_PROGRAM: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, ks_base, vs_base, off_b, offs_m, offs_dqk,
+                   offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn,
+                   stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn, stride_vsb,
+                   stride_vsn, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2,
+                   softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr,
+                   HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, KV8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+                   HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """The forward's key blocks lo, lo + BLOCK_N, .. below hi (lo a multiple of BLOCK_N), all in the mask
     program's tile `state` (PROGRAM_FULL without a program): the row max, row sum and accumulator after them.
-    With HAS_KPM only the keys of the span [span_first, span_end) are read, block table entries included."""
+    With HAS_KPM only the keys of the span [span_first, span_end) are read, block table entries included.
+    An 8-bit cache (KV8) is dequantized as it is loaded (`_cache_values`); with TOKEN_SCALES the scales of each
+    key (ks_base, vs_base: the kv head's) multiply its scores and its values, else the caller folded the
+    sequence's into qk_scale and scales the accumulator."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < L_K
@@ -356,8 +440,14 @@ def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, off_b
         v_rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
         k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
                       mask=load_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        key_scale = qk_scale
+        if KV8:  # scores = (q . k8) * scale per key column
+            k_t = _cache_values(k_t, q.dtype)
+            if TOKEN_SCALES:
+                key_scale = qk_scale * _token_scales(ks_base, PAGES, off_b, offs_n, load_ok, stride_ksb, stride_ksn,
+                                                     stride_tb, PAGE_SIZE, _bits_factor(k_base), PAGED)[None, :]
         s, _ = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base,
-                               stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n,
+                               stride_pn, slope2, softcap2, key_scale, DIAG, LEFT, RIGHT, BITS, state, start_n,
                                MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION)
         p, alpha, m_new, l_i = _online_softmax(s, m_i, l_i)
         if HAS_DROPOUT:
@@ -366,6 +456,9 @@ def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, off_b
             p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
         v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
                     mask=load_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if KV8:
+            v = _dequantized_values(v, q.dtype, vs_base, PAGES, off_b, offs_n, load_ok, stride_vsb, stride_vsn,
+                                    stride_tb, PAGE_SIZE, _bits_factor(v_base), PAGED, TOKEN_SCALES)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
@@ -374,7 +467,7 @@ def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, off_b
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K, PAGES, SINKS, TILES, BITS,
+    Q, K, V, O, LSE, MASK, KPM, SPANS, RNG, ALIBI, CU_Q, CU_K, PAGES, KS, VS, SINKS, TILES, BITS,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -382,13 +475,14 @@ def _attn_fwd(
     stride_lb, stride_lh, stride_lm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_pb, stride_pn, stride_ab, stride_ah, stride_tb, PAGE_SIZE,
+    stride_ksb, stride_ksn, stride_ksh, stride_vsb, stride_vsn, stride_vsh,
     stride_tileb, stride_tileh, stride_tilem, stride_tilen,
     H_Q, GROUP, L_Q, L_K, qk_scale, drop_threshold, keep_scale, DIAG, LEFT, RIGHT, softcap2,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    KV8: tl.constexpr, TOKEN_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_PROGRAM: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
     # under a causal mask, are scheduled first.
@@ -420,6 +514,11 @@ def _attn_fwd(
     v_base = V + off_hkv * stride_vh
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_m64[:, None] * stride_mm
     kpm_base = KPM + off_b * stride_pb
+    ks_base = KS + off_hkv * stride_ksh
+    vs_base = VS + off_hkv * stride_vsh
+    if KV8:
+        if not TOKEN_SCALES:  # the sequence's scales: of every score, and of the accumulator at the end
+            qk_scale = qk_scale * tl.load(ks_base + off_b * stride_ksb) * _bits_factor(K)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -454,19 +553,24 @@ def _attn_fwd(
             if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
                 m_i, l_i, acc = _attn_fwd_keys(
                     m_i, l_i, acc, tl.maximum(lo, tile_n), tl.minimum(hi, tile_n + PROGRAM_TILE), state, q, k_base,
-                    v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh,
-                    drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb,
-                    PAGE_SIZE, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2,
-                    softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI,
-                    PAGED, HAS_PROGRAM, PRECISION, BLOCK_N)
+                    v_base, PAGES, ks_base, vs_base, off_b, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base,
+                    RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
+                    stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn, stride_vsb, stride_vsn, stride_mn,
+                    stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT,
+                    RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED, KV8,
+                    TOKEN_SCALES, HAS_PROGRAM, PRECISION, BLOCK_N)
     else:
         m_i, l_i, acc = _attn_fwd_keys(
-            m_i, l_i, acc, lo, hi, PROGRAM_FULL, q, k_base, v_base, PAGES, off_b, offs_m, offs_dqk, offs_dv, row_ok,
-            mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb,
-            stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale,
-            drop_threshold, slope2, softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT,
-            SOFTCAP, HAS_ALIBI, PAGED, HAS_PROGRAM, PRECISION, BLOCK_N)
+            m_i, l_i, acc, lo, hi, PROGRAM_FULL, q, k_base, v_base, PAGES, ks_base, vs_base, off_b, offs_m, offs_dqk,
+            offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd,
+            stride_vb, stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn, stride_vsb, stride_vsn,
+            stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT,
+            RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED, KV8, TOKEN_SCALES,
+            HAS_PROGRAM, PRECISION, BLOCK_N)
 
+    if KV8:
+        if not TOKEN_SCALES:
+            acc = _value_scaled(acc, l_i, vs_base + off_b * stride_vsb, _bits_factor(V))
     if HAS_SINKS:  # the head's sink joins each row's softmax here, once (fused_attn.scores)
         sink = tl.load(SINKS + off_h)
         no_key = l_i == 0.0
@@ -1085,10 +1189,14 @@ def _sequence_args(sequences: Sequences | None, dummy):
 class Pages:
     """A paged key/value cache (fused_attn.kvcache): the int32 (B, max_blocks) block table, unit stride
     along the blocks. Key and value reach the kernels as (num_blocks, H_kv, block_size, D) views of
-    the blocks (`block_major`), whose batch stride steps between blocks; each key's block is looked up."""
+    the blocks (`cache_blocks`), whose batch stride steps between blocks; each key's block is looked up.
+    An 8-bit cache (fused_attn.quantization) comes with its float32 scales, k_scale and v_scale: (B, H_kv),
+    one per sequence and kv head, or (num_blocks, block_size, H_kv), one per stored key and head, any strides."""
 
     block_table: torch.Tensor
     block_size: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @property
     def len_k(self) -> int:
@@ -1100,11 +1208,45 @@ def block_major(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(1, 2)
 
 
+# Triton has the float8_e4m3fn type (tl.float8e4nv) from sm_89 on: before, it refuses a pointer to it ("type
+# fp8e4nv not supported in this architecture"), and the kernels read the bits (`_cache_values`).
+FP8_CAPABILITY = (8, 9)
+
+
+def reads_fp8_type(device: torch.device) -> bool:
+    """Whether the kernels read a float8_e4m3fn cache on `device` as that type (Triton converts it), rather than
+    as its bits: on GPUs of FP8_CAPABILITY and later; not in the interpreter, which runs the conversion of sm_80."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+def cache_blocks(blocks: torch.Tensor, fp8_type: bool) -> torch.Tensor:
+    """Cache blocks (num_blocks, block_size, H_kv, D) as the kernels read them: the `block_major` view, and a
+    float8_e4m3fn cache's bits as uint8 where Triton has no fp8 type for the device (`reads_fp8_type`)."""
+    if blocks.dtype == torch.float8_e4m3fn and not fp8_type:
+        blocks = blocks.view(torch.uint8)
+    return block_major(blocks)
+
+
+def _scale_strides(scales: torch.Tensor) -> tuple[int, int, int]:
+    """(between blocks or batch rows, between a block's rows, between heads) of one scale layout: a
+    sequence's scale, (B, H_kv), is the same for every key of it."""
+    if scales.dim() == 2:
+        return scales.stride(0), 0, scales.stride(1)
+    return tuple(scales.stride())
+
+
 def page_args(pages: Pages | None, dummy):
-    """(PAGES pointer, (stride_tb, PAGE_SIZE)) kernel arguments and the PAGED constexpr."""
+    """((PAGES, KS, VS) pointers, (stride_tb, PAGE_SIZE, the scales' 6 strides)) kernel arguments and the PAGED,
+    KV8 and TOKEN_SCALES constexprs."""
     if pages is None:
-        return dummy, (0, 1), dict(PAGED=False)
-    return pages.block_table, (pages.block_table.stride(0), pages.block_size), dict(PAGED=True)
+        return (dummy, dummy, dummy), (0, 1, *(0,) * 6), dict(PAGED=False, KV8=False, TOKEN_SCALES=False)
+    table = pages.block_table
+    if pages.k_scale is None:
+        return (table, dummy, dummy), (table.stride(0), pages.block_size, *(0,) * 6), \
+            dict(PAGED=True, KV8=False, TOKEN_SCALES=False)
+    strides = (*_scale_strides(pages.k_scale), *_scale_strides(pages.v_scale))
+    return (table, pages.k_scale, pages.v_scale), (table.stride(0), pages.block_size, *strides), \
+        dict(PAGED=True, KV8=True, TOKEN_SCALES=pages.k_scale.dim() == 3)
 
 
 def _lengths(query, key, sequences: Sequences | None, pages: Pages | None = None) -> tuple[int, int]:
@@ -1174,11 +1316,11 @@ def program_args(variant, batch: int, heads_q: int, len_q: int, len_k: int, dumm
 def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout=None,
                  variant=PLAIN, sequences: Sequences | None = None, pages: Pages | None = None):
     """(positional args, constexprs) of `_attn_fwd` for one call, shared by the launch and the AOT report.
-    With `pages`, key and value are the cache's `block_major` views."""
+    With `pages`, key and value are the cache's `cache_blocks` views."""
     batch, heads_q, _, dim_qk = query.shape
     heads_kv, dim_v = key.shape[1], value.shape[3]
     len_q, len_k = _lengths(query, key, sequences, pages)
-    table, page_values, page_constexprs = page_args(pages, lse)
+    page_pointers, page_values, page_constexprs = page_args(pages, lse)
     mask, kind, mask_strides, padding, padding_strides, spans = _mask_args(attn_mask, key_padding_mask, query)
     rng, drop_threshold, keep_scale = _dropout_args(dropout, lse)
     alibi, alibi_strides, variant_values, variant_constexprs = _variant_args(variant, is_causal, len_q, len_k, lse,
@@ -1186,7 +1328,7 @@ def forward_args(query, key, value, attn_mask, key_padding_mask, is_causal, scal
     bounds, packed_constexprs = _sequence_args(sequences, lse)
     sinks, sink_constexprs = sink_args(variant, heads_q, lse)
     tiles, bits, tile_strides, program_constexprs = program_args(variant, batch, heads_q, len_q, len_k, lse)
-    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds, table, sinks, tiles, bits,
+    args = (query, key, value, out, lse, mask, padding, spans, rng, alibi, *bounds, *page_pointers, sinks, tiles, bits,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(), *lse.stride(),
             *mask_strides, *padding_strides, *alibi_strides, *page_values, *tile_strides,
             heads_q, heads_q // heads_kv, len_q, len_k, float(scale) * LOG2E,
@@ -1316,8 +1458,10 @@ AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "B
 
 
 def autotune_key(kernel: str) -> list[str]:
-    """AUTOTUNE_KEY, and the dK/dV kernel's own feature, the bias gradient."""
-    return list(AUTOTUNE_KEY) + (["HAS_MASK_GRAD"] if kernel == "bwd_dkdv" else [])
+    """AUTOTUNE_KEY, and the kernels' own features: the dK/dV kernel's bias gradient, the forward's 8-bit
+    cache and its scales' layout."""
+    own = {"bwd_dkdv": ["HAS_MASK_GRAD"], "fwd": ["KV8", "TOKEN_SCALES"]}
+    return list(AUTOTUNE_KEY) + own.get(kernel, [])
 
 
 @functools.lru_cache(maxsize=None)
@@ -1374,7 +1518,7 @@ def new_gradient(tensor: torch.Tensor) -> torch.Tensor:
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out,
             dropout=None, variant=PLAIN, pages: Pages | None = None) -> torch.Tensor:
     """Writes attention into `out` (B, H_q, L_q, D_v); returns the fp32 log-sum-exp (B, H_q, L_q).
-    With `pages`, key and value are the cache's `block_major` views."""
+    With `pages`, key and value are the cache's `cache_blocks` views."""
     batch, heads_q, len_q, _ = query.shape
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
     _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, dropout, variant,
