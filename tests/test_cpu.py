@@ -494,6 +494,18 @@ def test_windows_across_block_sizes(generator, monkeypatch, block_k):
         testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [(60, 0), (20, 20), (0, 100), (200, -1)], ids=str)
+def test_narrow_windows_start_each_block_at_its_first_key(generator, dtype, window):
+    """Windows narrower than the default blocks (128 query rows, 512 keys forward, 64 × 256 backward): each
+    query block, and each half of one, computes from its first row's first key (rounded down to 16), forward and
+    backward, with dropout's bits at their keys and padding at both ends."""
+    case = testing.Case(batch=1, heads_q=2, heads_kv=1, len_q=300, len_k=360, dim_qk=32, window=window,
+                        causal_alignment="bottom_right", dropout_p=0.2, key_padding=True, lse_grad=True)
+    inputs = testing.random_inputs(case, dtype, 1, generator)
+    testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_keys_outside_the_padding_span_are_never_read(generator, small_blocks, dtype):
     """Left and right padding narrow the keys visited, to the key: NaN keys and values beyond a row's

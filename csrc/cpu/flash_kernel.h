@@ -657,22 +657,30 @@ inline void hide_by_program(const Params& p, acc_t* s, int64_t n, int64_t k0, in
   }
 }
 
+// Where a block's products may start inside a key block: a multiple of 16 keys keeps the VNNI pairs of packed
+// K and V and the vectors of each row aligned.
+constexpr int64_t kKeyAlign = 16;
+
+inline int64_t round_down(int64_t x, int64_t m) { return x / m * m; }
+
 // The keys k0 + first .. k0 + end of a key block that a query block (rows from q0, inside one tile row) computes:
-// those up to `width`, the last key its last row sees (relative to k0, a multiple of kTile), and, with a program,
-// from the first to the last tile it sees, whose states go to `states`. end 0: it computes none. `hides`: a tile
-// between hides keys (empty, or partial); a run of full tiles needs nothing per score.
+// those up to `width`, the last key its last row sees (relative to k0); from `first_key`, the first key its first
+// row sees (a window's start, rounded down to kKeyAlign); with a program, from the first to the last tile it sees
+// (k0 a multiple of kTile), whose states go to `states`. end 0: it computes none. `hides`: a tile between hides
+// keys (empty, or partial); a run of full tiles needs nothing per score.
 struct BlockKeys {
   int64_t first = 0, end = 0;
   bool hides = false;
 };
 
 inline BlockKeys block_keys(const Params& p, int64_t b, int64_t h, int64_t q0, int64_t k0, int64_t width,
-                            int32_t* states) {
+                            int64_t first_key, int32_t* states) {
   constexpr int64_t T = fused_attn::kTile;
   BlockKeys keys;
   if (width <= 0) return keys;
   if (!p.program.present()) {
-    keys.end = width;
+    keys.first = std::max<int64_t>(0, round_down(first_key - k0, kKeyAlign));
+    if (keys.first < width) keys.end = width;
     return keys;
   }
   for (int64_t t = 0; t * T < width; ++t) {
@@ -1223,30 +1231,41 @@ void forward_impl(const Params& p) {
           // The products stop at the last key the block's last query sees and, with a program, run from the first
           // to the last tile the block sees: the keys and values of the tiles before the first one stay unread
           // (their weights are 0, but a 0 times a NaN in memory nobody sees would be NaN).
-          const BlockKeys keys = block_keys(p, b, h, q0, k0, std::min(bk, block_end - k0), states);
+          const BlockKeys keys = block_keys(p, b, h, q0, k0, std::min(bk, block_end - k0), block_first, states);
           if (keys.end == 0) continue;
-          // From here on the block is keys kb .. kb + w: lead is a multiple of kTile, so the VNNI pairs of the
-          // packed K and V start there too (a column of Kᵀ is a pair of values in VNNI layout).
+          // From here on the block is keys kb .. kb + w: lead is a multiple of kKeyAlign (of kTile with a program),
+          // so the VNNI pairs of the packed K and V start there too (a column of Kᵀ is a pair of values in VNNI
+          // layout).
           const int64_t lead = keys.first, kb = k0 + lead, w = keys.end - lead;
-          // Where the band's diagonal cuts the block, each half of its rows stops at its own last row's key: half
-          // the products the cut leaves unused (1-2 % of a forward of chunks, every block of which ends on its
-          // diagonal; about 1 % of a causal one).
-          const bool cut = bq == BQ && bq >= 32 && visible_keys(p, q0 + bq / 2 - 1, span).end < kb + w;
+          // Where the band's diagonal cuts the block, each half of its rows stops at its own last row's key, and
+          // where a window's start cuts it, each half starts at its own first row's key: half the products the cut
+          // leaves unused (1-2 % of a forward of chunks, every block of which ends on its diagonal; about 1 % of a
+          // causal one; a quarter of a narrow window's).
+          const bool cut = bq == BQ && bq >= 32 &&
+                           (visible_keys(p, q0 + bq / 2 - 1, span).end < kb + w ||
+                            (!program && visible_keys(p, q0 + bq / 2, span).first >= kb + kKeyAlign));
           const int64_t rows_at_once = cut ? bq / 2 : bq;
           const uint32_t block_bit = uint32_t(1) << (r0 / BQ);
           for (int64_t s0 = r0; s0 < r0 + bq; s0 += rows_at_once) {
             const int64_t sq = std::min(rows_at_once, r0 + bq - s0);
+            // These rows' keys: kb + sf .. kb + sw (sf a multiple of kKeyAlign, 0 with a program).
             const int64_t sw = std::clamp<int64_t>(visible_keys(p, c0 + s0 + sq - 1, span).end - kb, 0, w);
-            const int64_t swpad = vnni ? round_up(sw, 2) : sw;
-            gemm<ct, acc_t>(sq, sw, Dpad, q_rows + s0 * ldq, ldq, kbuf + (vnni ? 2 * lead : lead), bk, sbuf, bk, false,
-                            p.use_brgemm);
+            const int64_t sf =
+                program ? 0 : std::clamp<int64_t>(round_down(visible_keys(p, c0 + s0, span).first - kb, kKeyAlign), 0, sw);
+            const int64_t n = sw - sf, npad = vnni ? round_up(n, 2) : n;
+            if (n == 0) {  // these rows see none of the block's keys
+              if ((written & block_bit) == 0) std::fill(obuf + s0 * Dv, obuf + (s0 + sq) * Dv, acc_t(0));
+              continue;
+            }
+            gemm<ct, acc_t>(sq, n, Dpad, q_rows + s0 * ldq, ldq, kbuf + (vnni ? 2 * (lead + sf) : lead + sf), bk, sbuf,
+                            bk, false, p.use_brgemm);
             for (int64_t r = 0; r < sq; ++r) {
               const int64_t qi = c0 + s0 + r;
-              softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), kb, sw, swpad, sbuf + r * bk,
+              softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), kb + sf, n, npad, sbuf + r * bk,
                                      pbuf + r * ldp, row_max + s0 + r, row_sum + s0 + r, obuf + (s0 + r) * Dv,
                                      buffers.bits, keys.hides ? states + lead / T : nullptr);
             }
-            gemm<ct, acc_t>(sq, Dv, swpad, pbuf, ldp, v_rows + lead * ldv, ldv, obuf + s0 * Dv, Dv,
+            gemm<ct, acc_t>(sq, Dv, npad, pbuf, ldp, v_rows + (lead + sf) * ldv, ldv, obuf + s0 * Dv, Dv,
                             (written & block_bit) != 0, p.use_brgemm);
           }
           written |= block_bit;
@@ -1843,8 +1862,8 @@ void backward_impl(const Params& p) {
             // Only the keys the query block computes (none: skipped); the other keys' P and dS are 0, and their K
             // and V stay unread. From here on the block is keys kb .. kb + w: lead is a multiple of kTile, so the
             // VNNI pairs of the packed operands start there too (a column of Kᵀ and Vᵀ is a pair of values).
-            const BlockKeys keys =
-                block_keys(p, b, h, q0, k0, std::min(bk, visible_keys(p, q0 + bq - 1, span).end - k0), states);
+            const BlockKeys keys = block_keys(p, b, h, q0, k0, std::min(bk, visible_keys(p, q0 + bq - 1, span).end - k0),
+                                              visible_keys(p, q0, span).first, states);
             if (keys.end == 0) continue;
             const int64_t lead = keys.first, kb = k0 + lead, w = keys.end - lead;
             const int64_t wpad = vnni ? round_up(w, 2) : w;
