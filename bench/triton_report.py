@@ -7,9 +7,9 @@ padding, the same with dropout over a packed batch of sequences (fused_attn.varl
 same with a mask program (fused_attn.masks) without and with dropout (forward, dK/dV, dQ), and
 for dK/dV causal with dropout and the gradient of a learned additive bias, alone and with the score variants;
 the forward and the split-KV decode kernels over a paged cache of the query's dtype, of int8 and of
-float8_e4m3fn (fused_attn.quantization, a scale per stored key), the decode kernels also plain and with
-the score variants, their combine plain and with sinks) for sm_80 and sm_90 with Triton's
-own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
+float8_e4m3fn (fused_attn.quantization, a scale per stored key; float8_e4m3fn also one per sequence), the
+decode kernels also plain and with the score variants, their combine plain and with sinks) for sm_80 and
+sm_90 with Triton's own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
 `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
 (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
 memory is Triton's dynamic allocation from the kernel metadata plus any static shared memory.
@@ -62,7 +62,8 @@ FIXED_CONFIG = "BLOCK_M={block_m},{block_n}warps={warps},stages={stages}"
 # every score variant and key padding over a paged key/value cache (fused_attn.kvcache, the forward only),
 # "program" every score variant and key padding with a mask program (fused_attn.masks; HAS_PROGRAM);
 # "paged_int8" and "paged_fp8" as "paged" over an 8-bit cache (fused_attn.quantization) with a scale per stored key,
-# int8 or float8_e4m3fn (as its bits on sm_80, which has no fp8 type; as that type on sm_90; KV8, TOKEN_SCALES).
+# int8 or float8_e4m3fn (as its bits on sm_80, which has no fp8 type; as that type on sm_90; KV8, TOKEN_SCALES),
+# "paged_fp8_seq" float8_e4m3fn with a scale per sequence.
 # Sinks change the forward kernels' epilogue and the decode combine only (HAS_SINKS); the backward kernels
 # and the split-KV decode kernel take none (they compile as without them).
 PACKED = "packed"
@@ -70,8 +71,10 @@ PAGED = "paged"
 PROGRAM = "program"
 PAGED_INT8 = "paged_int8"
 PAGED_FP8 = "paged_fp8"
-# The paged caches, by the dtype of their blocks (None: the query's).
-PAGED_CACHES = {PAGED: None, PAGED_INT8: "int8", PAGED_FP8: "float8_e4m3fn"}
+PAGED_FP8_SEQUENCES = "paged_fp8_seq"
+# The paged caches: the dtype of their blocks (None: the query's) and their scales' layout.
+PAGED_CACHES = {PAGED: (None, None), PAGED_INT8: ("int8", "token"), PAGED_FP8: ("float8_e4m3fn", "token"),
+                PAGED_FP8_SEQUENCES: ("float8_e4m3fn", "sequence")}
 # Causal, no dropout, every score variant, over a paged cache of each kind.
 PAGED_VARIANTS = tuple((True, False, False, cache) for cache in PAGED_CACHES)
 PAGE_SIZE = 16  # vLLM's block size: keys of one tile come from several blocks
@@ -208,12 +211,16 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     pages = None
     if scores in PAGED_CACHES:  # the cache's blocks in a table, as (num_blocks, H, block_size, D) views
         blocks = batch * length // PAGE_SIZE
-        cache_dtype = getattr(torch, PAGED_CACHES[scores] or dtype_name)
+        cache_name, layout = PAGED_CACHES[scores]
+        cache_dtype = getattr(torch, cache_name or dtype_name)
         fp8_type = (TARGETS[target] // 10, TARGETS[target] % 10) >= tk.FP8_CAPABILITY
         k, v = (tk.cache_blocks(torch.empty(blocks, PAGE_SIZE, heads, head_dim, dtype=cache_dtype), fp8_type)
                 for _ in range(2))
-        # An 8-bit cache's scales, one per stored key and head: (num_blocks, block_size, H_kv).
-        scales = [torch.empty(blocks, PAGE_SIZE, heads) for _ in range(2)] if PAGED_CACHES[scores] else []
+        # An 8-bit cache's scales: one per stored key and head, (num_blocks, block_size, H_kv), or per sequence.
+        scales = []
+        if layout is not None:
+            scales = [torch.empty((blocks, PAGE_SIZE, heads) if layout == "token" else (batch, heads))
+                      for _ in range(2)]
         pages = tk.Pages(torch.empty(batch, length // PAGE_SIZE, dtype=torch.int32), PAGE_SIZE, *scales)
     if kernel in triton_decode.KERNELS:  # one query row per head against the keys, in 4 splits
         q1 = q[:, :, :1]

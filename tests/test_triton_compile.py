@@ -4,12 +4,12 @@ Every kernel is compiled at its default configs for sm_80 and sm_90 by Triton's 
 bf16, head dims 64 and 128, causal and not, causal with dropout, causal with every score variant
 (attention sinks included), dK/dV also with a learned bias's gradient, packed batches, mask programs
 without and with dropout, the forward and split-KV decode kernels over paged caches of the query's dtype, int8
-and float8_e4m3fn, the decode combine with sinks; see
+and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decode combine with sinks; see
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
 sm_90), and shared memory fits the device (163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows
 of `python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of
-conftest.py; 280 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
+conftest.py; 296 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def _check_scales(query, k_blocks, v_blocks, k_scale, v_scale) -> None:
     """What the kernels rely on to read a paged cache's scales (Backend.forward_paged): float32 (B, H_kv) or
     (num_blocks, block_size, H_kv) for 8-bit blocks, both alike; none for blocks of the query's dtype."""
     quantized = quantization.is_quantized(k_blocks)
-    if (k_blocks.dtype, v_blocks.dtype) != ((k_blocks.dtype,) * 2 if quantized else (query.dtype,) * 2):
+    dtype = k_blocks.dtype if quantized else query.dtype
+    if k_blocks.dtype != dtype or v_blocks.dtype != dtype:
         raise TypeError(f"triton: k_blocks, v_blocks: expected both of query's dtype {query.dtype} or both of one "
                         f"8-bit dtype, got {k_blocks.dtype} and {v_blocks.dtype}")
     if not quantized:
