@@ -3,6 +3,8 @@ call it should be measured by, interleaved in one process with the same inputs a
 
 - Sliding window (256, 0) at B=1, H=8, L=8192, D=64: against our own full causal call (target ≥ 5×)
   and against `scaled_dot_product_attention` given the equivalent boolean mask (target ≥ 10×).
+- A narrow window, (128, 0) at L=4096: against our own full causal call (target ≥ 10×; the work ratio,
+  L / 2W, is 16).
 - Bottom-right causal at L_q=512, L_k=4096: against top-left causal at the same shape, and against
   the non-causal call, whose work it nearly has (top-left causal at L_q < L_k sees only the first L_q
   keys, ~15× less work here).
@@ -14,7 +16,7 @@ call it should be measured by, interleaved in one process with the same inputs a
 
 Forward alone and forward+backward, fp32 and bf16. Medians over rounds of each time ratio.
 
-    python -m bench.variants_bench [--dtypes fp32 bf16] [--rounds 5] [--only window bottom_right cap_alibi]
+    python -m bench.variants_bench [--dtypes fp32 bf16] [--rounds 5] [--only window narrow_window bottom_right cap_alibi]
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ EXPERIMENTS = {
     "window": ((1, 8, 8192, 8192, 64), lambda: window_candidates(8192, 8192, 256),
                [("causal", "window", "causal / window (target ≥ 5)"),
                 ("sdpa_mask", "window", "SDPA with the band mask / window (target ≥ 10)")]),
+    "narrow_window": ((1, 8, 4096, 4096, 64), lambda: window_candidates(4096, 4096, 128),
+                      [("causal", "window", "causal / window (target ≥ 10, work ratio 16)")]),
     "bottom_right": ((4, 8, 512, 4096, 64), alignment_candidates,
                      [("top_left", "bottom_right", "top-left / bottom-right"),
                       ("full", "bottom_right", "non-causal / bottom-right")]),

@@ -1237,14 +1237,15 @@ void forward_impl(const Params& p) {
           // so the VNNI pairs of the packed K and V start there too (a column of Kᵀ is a pair of values in VNNI
           // layout).
           const int64_t lead = keys.first, kb = k0 + lead, w = keys.end - lead;
-          // Where the band's diagonal cuts the block, each half of its rows stops at its own last row's key, and
-          // where a window's start cuts it, each half starts at its own first row's key: half the products the cut
-          // leaves unused (1-2 % of a forward of chunks, every block of which ends on its diagonal; about 1 % of a
-          // causal one; a quarter of a narrow window's).
-          const bool cut = bq == BQ && bq >= 32 &&
-                           (visible_keys(p, q0 + bq / 2 - 1, span).end < kb + w ||
-                            (!program && visible_keys(p, q0 + bq / 2, span).first >= kb + kKeyAlign));
-          const int64_t rows_at_once = cut ? bq / 2 : bq;
+          // Where the band's diagonal cuts the block, each half of its rows stops at its own last row's key: half
+          // the products the cut leaves unused (1-2 % of a forward of chunks, every block of which ends on its
+          // diagonal; about 1 % of a causal one). Where a window's start cuts it, each 32 rows run from their own
+          // first row's first key to their last row's last: a narrow window's rows see few keys, which the spread
+          // of a whole block's starts and ends would more than double (bench/NOTES.md section 36).
+          const bool window_cut = !program && bq == BQ && bq >= 64 &&
+                                  visible_keys(p, q0 + bq / 2, span).first >= kb + kKeyAlign;
+          const bool cut = window_cut || (bq == BQ && bq >= 32 && visible_keys(p, q0 + bq / 2 - 1, span).end < kb + w);
+          const int64_t rows_at_once = window_cut ? 32 : cut ? bq / 2 : bq;
           const uint32_t block_bit = uint32_t(1) << (r0 / BQ);
           for (int64_t s0 = r0; s0 < r0 + bq; s0 += rows_at_once) {
             const int64_t sq = std::min(rows_at_once, r0 + bq - s0);
