@@ -228,7 +228,7 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
         if kernel == "decode":
             args, constexprs = triton_decode.decode_args(q1, k, v, None, padding, causal, scale, variant, 4,
                                                          part_o, part_lse, pages)
-            fixed = _fixed(constexprs, triton_decode.decode_warps(constexprs), triton_decode.DECODE_STAGES)
+            fixed = _fixed(constexprs, triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES)
         else:
             args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4,
                                                           variant)

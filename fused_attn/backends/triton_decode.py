@@ -36,9 +36,6 @@ MIN_KEYS_PER_SPLIT = 256
 MAX_QUERIES = 16      # L_q up to this takes the decode kernels ...
 MAX_ROWS = 64         # ... when its group's rows, G · L_q, fit one tile
 DECODE_WARPS, DECODE_STAGES = 4, 2
-# An 8-bit cache's conversions hold registers beside the tiles: with 4 warps the decode kernel spilled on sm_80 at
-# D = 128 (int8, per-token scales); 8 warps compile without (bench/triton_report.py).
-QUANTIZED_DECODE_WARPS = 8
 COMBINE_WARPS = 4
 
 
@@ -83,6 +80,7 @@ def _attn_decode(
     if KV8:
         if not TOKEN_SCALES:  # the sequence's scales: of every score, and of the split's output at the end
             qk_scale = qk_scale * tl.load(ks_base + off_b * stride_ksb) * tk._bits_factor(K)
+            v_scale = tl.load(vs_base + off_b * stride_vsb) * tk._bits_factor(V)
     mask_base = MASK + off_b * stride_mb + offs_h[:, None] * stride_mh + offs_i64[:, None] * stride_mm
     slope2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
@@ -130,7 +128,7 @@ def _attn_decode(
 
     if KV8:
         if not TOKEN_SCALES:
-            acc = tk._value_scaled(acc, l_i, vs_base + off_b * stride_vsb, tk._bits_factor(V))
+            acc = tk._value_scaled(acc, l_i, v_scale)
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     part = (pid_bh.to(tl.int64) * SPLITS + split) * BLOCK_M
@@ -237,14 +235,11 @@ def tile_rows(rows: int) -> int:
     return max(16, triton.next_power_of_2(rows))
 
 
-def block_n(dtype: torch.dtype, head_dim: int) -> int:
-    """Keys per block: 64, or 32 for fp32 at head dims over 64 (registers)."""
-    return 32 if dtype == torch.float32 and head_dim > 64 else 64
-
-
-def decode_warps(constexprs) -> int:
-    """The decode kernel's warps for a launch with these constexprs (`decode_args`)."""
-    return QUANTIZED_DECODE_WARPS if constexprs["KV8"] else DECODE_WARPS
+def block_n(dtype: torch.dtype, head_dim: int, quantized: bool = False) -> int:
+    """Keys per block: 64, or 32 for fp32 at head dims over 64 (registers), and for an 8-bit cache, whose
+    conversions hold registers beside the tiles (blocks of 64 spilled on sm_80 at D = 128 with 4 warps, and with
+    8 on sm_90 at D = 64 under Triton 3.7.1; blocks of 32 compile without, bench/triton_report.py)."""
+    return 32 if quantized or (dtype == torch.float32 and head_dim > 64) else 64
 
 
 def decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits, part_o, part_lse,
@@ -258,7 +253,7 @@ def decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale
     mask, kind, mask_strides, padding, padding_strides, spans = tk._mask_args(attn_mask, key_padding_mask, query)
     alibi, alibi_strides, variant_values, variant_constexprs = tk._variant_args(variant, is_causal, len_q, len_k,
                                                                                 part_lse)
-    bn = block_n(query.dtype, max(dim_qk, dim_v))
+    bn = block_n(query.dtype, max(dim_qk, dim_v), page_constexprs["KV8"])
     keys_per_split = triton.cdiv(triton.cdiv(len_k, splits), bn) * bn
     args = (query, key, value, mask, padding, spans, alibi, *page_pointers, part_o, part_lse,
             *query.stride(), *key.stride(), *value.stride(), *mask_strides, *padding_strides, *alibi_strides,
@@ -304,7 +299,7 @@ def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, ou
     args, constexprs = decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits,
                                    part_o, part_lse, pages)
     with tk._on_device(query):
-        _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=decode_warps(constexprs),
+        _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=DECODE_WARPS,
                                                    num_stages=DECODE_STAGES)
         args, constexprs = combine_args(part_o, part_lse, out, lse, heads_kv, splits, variant)
         _attn_decode_combine[(batch * heads_q * len_q,)](*args, **constexprs, num_warps=COMBINE_WARPS, num_stages=1)

@@ -256,11 +256,10 @@ def _dequantized_values(v, dtype, SCALES, PAGES, off_b, offs_n, load_ok, stride_
 
 
 @triton.jit
-def _value_scaled(acc, l_i, SCALE, factor):
-    """The accumulator [rows, D] of P V over an 8-bit V times the sequence's scale (at SCALE, times `factor`),
-    in the rows that saw a key (`l_i` > 0, before any sink): the others keep 0, whatever the scale of a
-    sequence without keys holds."""
-    return tl.where((l_i > 0.0)[:, None], acc * (tl.load(SCALE) * factor), 0.0)
+def _value_scaled(acc, l_i, v_scale):
+    """The accumulator [rows, D] of P V over an 8-bit V times the sequence's scale, in the rows that saw a key
+    (`l_i` > 0, before any sink): the others keep 0, whatever the scale of a sequence without keys holds."""
+    return tl.where((l_i > 0.0)[:, None], acc * v_scale, 0.0)
 
 
 @triton.jit
@@ -519,6 +518,7 @@ def _attn_fwd(
     if KV8:
         if not TOKEN_SCALES:  # the sequence's scales: of every score, and of the accumulator at the end
             qk_scale = qk_scale * tl.load(ks_base + off_b * stride_ksb) * _bits_factor(K)
+            v_scale = tl.load(vs_base + off_b * stride_vsb) * _bits_factor(V)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -570,7 +570,7 @@ def _attn_fwd(
 
     if KV8:
         if not TOKEN_SCALES:
-            acc = _value_scaled(acc, l_i, vs_base + off_b * stride_vsb, _bits_factor(V))
+            acc = _value_scaled(acc, l_i, v_scale)
     if HAS_SINKS:  # the head's sink joins each row's softmax here, once (fused_attn.scores)
         sink = tl.load(SINKS + off_h)
         no_key = l_i == 0.0
