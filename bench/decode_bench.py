@@ -111,13 +111,14 @@ def quantized_row(cache_dtype, per_token, shape, rounds, budget_s) -> dict:
     k, v = (torch.randn(batch, heads_kv, len_k, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
     (k_blocks, k_scale), (v_blocks, v_scale) = (quantized_cache(x, cache_dtype, per_token) for x in (k, v))
     table = torch.arange(batch, dtype=torch.int32)[:, None]
+    padding = torch.zeros(batch, len_k, dtype=torch.bool)  # every key is a sequence's: forward_paged takes the mask
     out = torch.empty(batch, heads_q, len_q, dim, dtype=torch.bfloat16)
     cpu, reference = registry.get("cpu"), registry.get("reference")
     read = torch.cat([t.flatten().view(torch.int8) for t in (k_blocks, v_blocks, k_scale, v_scale)])
     destination = torch.empty_like(read)
     gqa = heads_q != heads_kv
     runs = {
-        "cpu": lambda: cpu.forward_paged(q, k_blocks, v_blocks, table, None, None, False, dim ** -0.5, out,
+        "cpu": lambda: cpu.forward_paged(q, k_blocks, v_blocks, table, None, padding, False, dim ** -0.5, out,
                                          k_scale=k_scale, v_scale=v_scale),
         "bf16": lambda: fused_attn.attention(q, k, v, enable_gqa=gqa, backend="cpu"),
         "copy": lambda: destination.copy_(read),
@@ -129,7 +130,7 @@ def quantized_row(cache_dtype, per_token, shape, rounds, budget_s) -> dict:
         results = {}
         for dtype in (torch.float64, torch.bfloat16):
             expected = torch.empty(out.shape, dtype=dtype)
-            reference.forward_paged(q.to(dtype), k_blocks, v_blocks, table, None, None, False, dim ** -0.5, expected,
+            reference.forward_paged(q.to(dtype), k_blocks, v_blocks, table, None, padding, False, dim ** -0.5, expected,
                                     k_scale=k_scale, v_scale=v_scale)
             results[dtype] = expected
         allowed = testing.allowed_error("out", results[torch.float64], results[torch.bfloat16], torch.bfloat16)

@@ -1328,10 +1328,13 @@ void row_dots(const T* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int6
   }
 }
 
-// An 8-bit cache under up to kDotRows rows per item, its rows contiguous along D: the scores and P V read the
-// stored bytes themselves, each vector of them converted once for all the rows, and no float copy of K or V is
-// written (per key, the conversions and G·D/W multiply-adds of each product: the memory's time, where float rows
-// written and read back doubled the arithmetic).
+// An 8-bit cache under up to kStoredRows rows per item, its rows contiguous along D: the scores and P V read the
+// stored bytes themselves, each vector of them converted once per group of up to kDotRows rows, and no float copy
+// of K or V is written (per key, the conversions and G·D/W multiply-adds of each product: the memory's time, where
+// float rows written and read back doubled the arithmetic, and 16 rows' transposed K block cost more than a
+// second conversion).
+constexpr int64_t kStoredRows = 2 * kDotRows;
+
 
 // f(std::integral_constant<CacheType, p.cache>{}, std::integral_constant<int, rows>{}), 1 <= rows <= kDotRows: the
 // kernels below take both as template arguments, so that the rows' accumulators live in registers.
@@ -1444,7 +1447,7 @@ void add_quantized_values(const float* p, int64_t ldp, const int8_t* v, int64_t 
 }
 
 // The scores s (rows × n, row stride lds) of query rows q (packed, rows × D) against the keys k0 .. k0 + n of
-// head hk of batch row b, within one block of an 8-bit cache: quantized_row_dots. The operands are float wherever
+// head hk of batch row b, within one block of an 8-bit cache: quantized_row_dots, kDotRows rows at a time. The operands are float wherever
 // this is reached (decode_impl runs float operands on an 8-bit cache).
 template <typename Q, typename S>
 void quantized_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
@@ -1452,27 +1455,31 @@ void quantized_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int6
   if constexpr (std::is_same_v<Q, float> && std::is_same_v<S, float>) {
     const int8_t* keys = key_row(p, p.key, static_cast<const int8_t*>(p.key.data), b, hk, k0);
     const float* scale = scale_row(p, p.k_scale, b, hk, k0);
-    with_cache_and_rows(p.cache, rows, [&](auto type, auto count) {
-      quantized_row_dots<decltype(type)::value, decltype(count)::value>(q, p.dim_qk, keys, p.key.s[2], scale,
-                                                                        p.k_scale.s[2], n, s, lds);
-    });
+    for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+      with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
+        quantized_row_dots<decltype(type)::value, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, keys, p.key.s[2],
+                                                                          scale, p.k_scale.s[2], n, s + r0 * lds, lds);
+      });
+    }
   } else {
     TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is read with float operands only");
   }
 }
 
 // o (rows × D_v, row stride ldo) = or += prob (rows × n, row stride ldp) times the values k0 .. k0 + n of head hk of
-// batch row b, within one block of an 8-bit cache: add_quantized_values.
+// batch row b, within one block of an 8-bit cache: add_quantized_values, kDotRows rows at a time.
 template <typename P, typename O>
 void quantized_values_product(const Params& p, const P* prob, int64_t ldp, int64_t rows, int64_t b, int64_t hk,
                               int64_t k0, int64_t n, O* o, int64_t ldo, bool add) {
   if constexpr (std::is_same_v<P, float> && std::is_same_v<O, float>) {
     const int8_t* values = key_row(p, p.value, static_cast<const int8_t*>(p.value.data), b, hk, k0);
     const float* scale = scale_row(p, p.v_scale, b, hk, k0);
-    with_cache_and_rows(p.cache, rows, [&](auto type, auto count) {
-      add_quantized_values<decltype(type)::value, decltype(count)::value>(prob, ldp, values, p.value.s[2], scale,
-                                                                          p.v_scale.s[2], n, p.dim_v, o, ldo, add);
-    });
+    for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+      with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
+        add_quantized_values<decltype(type)::value, decltype(count)::value>(
+            prob + r0 * ldp, ldp, values, p.value.s[2], scale, p.v_scale.s[2], n, p.dim_v, o + r0 * ldo, ldo, add);
+      });
+    }
   } else {
     TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is read with float operands only");
   }
@@ -1510,8 +1517,8 @@ void decode_impl(const Params& p) {
   const bool k_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
   const bool v_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
   // An 8-bit cache's bytes feed both products themselves where they are few rows' and contiguous along D.
-  const bool k_stored = quantized && rows <= kDotRows && p.key.s[3] == 1;
-  const bool v_stored = quantized && rows <= kDotRows && p.value.s[3] == 1;
+  const bool k_stored = quantized && rows <= kStoredRows && p.key.s[3] == 1;
+  const bool v_stored = quantized && rows <= kStoredRows && p.value.s[3] == 1;
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);
   using Buffers = SoftmaxBuffers<acc_t, ct>;
