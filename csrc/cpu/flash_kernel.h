@@ -1520,6 +1520,9 @@ void decode_impl(const Params& p) {
   const bool k_stored = quantized && rows <= kStoredRows && p.key.s[3] == 1;
   const bool v_stored = quantized && rows <= kStoredRows && p.value.s[3] == 1;
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
+  // A paged cache's key blocks span its blocks (every row operation runs block by block, run by run) except where
+  // a product packs K or V whole: VNNI pairs, or Kᵀ of in-place rows for more than kDotRows rows.
+  const bool spans_pages = !vnni && !(k_in_place && rows > kDotRows);
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);
   using Buffers = SoftmaxBuffers<acc_t, ct>;
   const size_t scratch_bytes = Scratch::bytes<ct>(rows * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
@@ -1562,27 +1565,42 @@ void decode_impl(const Params& p) {
       const int64_t k_begin = std::min(seen_end, seen_first + split * share);
       const int64_t k_end = std::min(seen_end, k_begin + share);
       for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
-        bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
+        bk = spans_pages ? std::min(BK, k_end - k0) : keys_in_block(p, k0, std::min(BK, k_end - k0));
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
+        // The runs of the block's keys that lie in one cache block each: f(first, count), first from k0.
+        const auto for_each_run = [&](const auto& f) {
+          for (int64_t j0 = 0, n; j0 < bk; j0 += n) {
+            n = keys_in_block(p, k0 + j0, bk - j0);
+            f(j0, n);
+          }
+        };
         if constexpr (vnni) {
           pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
           gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
         } else if (k_stored) {
-          quantized_scores(p, qbuf, rows, b, hk, k0, bk, sbuf, bk);
+          for_each_run([&](int64_t j0, int64_t n) { quantized_scores(p, qbuf, rows, b, hk, k0 + j0, n, sbuf + j0, bk); });
         } else {
           const ct* k_float = krows;
           int64_t ldk = D;
           if (quantized) {
-            dequantize_keys(p, p.key, p.k_scale, b, hk, k0, bk, D, krows, D);
+            for_each_run([&](int64_t j0, int64_t n) {
+              dequantize_keys(p, p.key, p.k_scale, b, hk, k0 + j0, n, D, krows + j0 * D, D);
+            });
           } else if (k_as_float_rows) {
-            const scalar_t* k_block = key_row(p, p.key, K, b, hk, k0);
-            for (int64_t j = 0; j < bk; ++j) copy_row(krows + j * D, k_block + j * p.key.s[2], p.key.s[3], D);
+            for (int64_t j = 0; j < bk; ++j) {
+              copy_row(krows + j * D, key_row(p, p.key, K, b, hk, k0 + j), p.key.s[3], D);
+            }
           } else {
             k_float = reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0));
             ldk = p.key.s[2];
           }
-          if (rows <= kDotRows) {
+          if (rows <= kDotRows && k_float != krows) {  // K rows in place, run by run
+            for_each_run([&](int64_t j0, int64_t n) {
+              row_dots(qbuf, rows, D, reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0 + j0)), ldk, n,
+                       sbuf + j0, bk);
+            });
+          } else if (rows <= kDotRows) {
             row_dots(qbuf, rows, D, k_float, ldk, bk, sbuf, bk);
           } else {
             pack_b(kbuf, k_float, 1, ldk, D, D, bk);  // Kᵀ by blocked transposes
@@ -1598,15 +1616,26 @@ void decode_impl(const Params& p) {
         }
         const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
         if (v_stored) {
-          quantized_values_product(p, pbuf, ldp, rows, b, hk, k0, bk, obuf, Dv, accumulate);
+          for_each_run([&](int64_t j0, int64_t n) {
+            quantized_values_product(p, pbuf + j0, ldp, rows, b, hk, k0 + j0, n, obuf, Dv, accumulate || j0 > 0);
+          });
         } else if (v_in_place) {
-          gemm<ct, acc_t>(rows, Dv, bk, pbuf, ldp, reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0)),
-                          p.value.s[2], obuf, Dv, accumulate, p.use_brgemm);
+          for_each_run([&](int64_t j0, int64_t n) {
+            gemm<ct, acc_t>(rows, Dv, n, pbuf + j0, ldp,
+                            reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0 + j0)), p.value.s[2], obuf, Dv,
+                            accumulate || j0 > 0, p.use_brgemm);
+          });
         } else {
           if (quantized) {
-            dequantize_keys(p, p.value, p.v_scale, b, hk, k0, bk, Dv, vbuf, Dv);
-          } else {
+            for_each_run([&](int64_t j0, int64_t n) {
+              dequantize_keys(p, p.value, p.v_scale, b, hk, k0 + j0, n, Dv, vbuf + j0 * Dv, Dv);
+            });
+          } else if (vnni) {
             pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
+          } else {
+            for_each_run([&](int64_t j0, int64_t n) {
+              pack_b(vbuf + j0 * Dv, key_row(p, p.value, Vt, b, hk, k0 + j0), p.value.s[2], p.value.s[3], n, n, Dv);
+            });
           }
           gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, accumulate, p.use_brgemm);
         }
