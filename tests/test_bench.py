@@ -265,6 +265,10 @@ def test_decode_bench_rows_on_a_small_shape():
         row = decode_bench.kvcache_row(dtype, 3, 1.0, heads_q=4, heads_kv=2, capacity=64, length=40, dim=16,
                                        block_size=8)
         assert row["rounds"] == 3 and row["vs_sdpa"] > 0 and row["paged_vs_dense"] > 0 and row["gathered_vs_paged"] > 0
+    for cache_dtype in (torch.int8, torch.float8_e4m3fn):  # checked against the reference before it is timed
+        for per_token in (False, True):
+            row = decode_bench.quantized_row(cache_dtype, per_token, (1, 4, 2, 1, 64, 16), rounds=3, budget_s=1.0)
+            assert row["rounds"] == 3 and all(value > 0 for key, value in row.items() if isinstance(value, float))
 
 
 def test_call_cost_rows_on_a_small_shape(capsys):
