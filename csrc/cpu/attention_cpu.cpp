@@ -230,7 +230,12 @@ void choose_tiling(Params& p, bool backward) {
   // Larger query blocks amortise the packing of each key block over more rows; the forward keeps
   // a (block_q × block_k) score block per thread in L2.
   const bool program = p.program.present();
-  p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", backward || program ? 64 : 128);
+  // A narrow window's rows see few keys, and a backward query block computes from its first row's first key to
+  // its last row's last: blocks of 32 rows halve that spread (bench/NOTES.md section 36; the forward cuts its
+  // blocks into 32-row parts instead).
+  const bool narrow_window = backward && !program && p.window_left >= 0 && p.window_right >= 0 &&
+                             p.window_left + p.window_right <= 256;
+  p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", narrow_window ? 32 : backward || program ? 64 : 128);
   p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
   if (program) {
     // A program's tiles decide whole blocks: query blocks divide its rows; key blocks are runs of its
