@@ -133,7 +133,8 @@ def run_on_instruction_set(isa, script):
 @pytest.mark.parametrize("isa", list(ISA_FLAGS))
 def test_every_instruction_set_meets_criterion(isa):
     """Each compiled copy of the kernels, forced with FUSED_ATTN_CPU_ISA in a fresh process; dropout
-    and the score variants included (each copy has its own Philox rounds and tanh)."""
+    and the score variants included (each copy has its own Philox rounds and tanh), and the decode cases
+    (each copy reads bf16 and 8-bit cache rows with its own vector loads)."""
     run_on_instruction_set(isa, (
         "import torch, tests.test_cpu as t\n"
         "g = torch.Generator().manual_seed(1)\n"
@@ -142,7 +143,8 @@ def test_every_instruction_set_meets_criterion(isa):
         "        t.run_and_check(g, dtype, feature, t.LAYOUTS)\n"
         "    t.check_extreme_maxima(g, dtype)\n"
         "    for case in (t.TRAINING_CASES['plain'], t.TRAINING_CASES['bias_heads_causal_dropout'],\n"
-        "                 t.VARIANT_CASES['everything'], t.VARIANT_CASES['softcap_alibi_additive']):\n"
+        "                 t.VARIANT_CASES['everything'], t.VARIANT_CASES['softcap_alibi_additive'],\n"
+        "                 *t.DECODE_CASES.values()):\n"
         "        inputs = t.testing.random_inputs(case, dtype, 1, g)\n"
         "        t.testing.check_inputs(t.testing.run_attention(inputs, 'cpu'), inputs)\n"))
 

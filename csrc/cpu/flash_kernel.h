@@ -374,17 +374,23 @@ inline int64_t keys_in_block(const Params& p, int64_t j, int64_t n) {
 // 8-bit caches (Params::cache, fused_attn/quantization.py): key j of a cache block stands for its float8_e4m3fn or
 // int8 values times its float32 scale, and the products run in float. The long-query kernels dequantize each
 // block of keys and values into the float buffers they pack it into anyway; the decode kernels convert the stored
-// bytes inside their products (quantized_row_dots, add_quantized_values) where an item has few rows and the cache
+// bytes inside their products (stored_row_dots, add_stored_values) where an item has few rows and the cache
 // is contiguous along D, and into float rows otherwise. Nothing dequantized outlives its block.
 
 // One stored byte as float: the int8 value; or the float8_e4m3fn bits s eeee mmm read as the fp16 s 0eeee mmm0000000,
 // which is 2^-8 times the stored value (fp16's exponent bias, 15, exceeds e4m3's by 8), subnormals included. The
 // vector loops below build that fp16 by sign extension, a shift by 7 and bit 14 cleared, and convert it with F16C,
 // exactly whatever the denormal mode. e4m3fn's NaN (s 1111 111) reads as ±480: fused_attn.quantization saturates at
-// ±448, so a cache it wrote holds no NaN.
+// ±448, so a cache it wrote holds no NaN. The decode kernels read a plain bf16 cache's rows the same way (as
+// CacheType::Plain: the bf16 bits shifted into a float's upper half, no scale), where few query rows share them.
 template <CacheType kType>
-inline float stored_value(int8_t byte) {
-  if constexpr (kType == CacheType::Int8) {
+using StoredElem = std::conditional_t<kType == CacheType::Plain, c10::BFloat16, int8_t>;
+
+template <CacheType kType>
+inline float stored_value(StoredElem<kType> byte) {
+  if constexpr (kType == CacheType::Plain) {
+    return static_cast<float>(byte);
+  } else if constexpr (kType == CacheType::Int8) {
     return static_cast<float>(byte);
   } else {
     const auto bits = static_cast<uint8_t>(byte);
@@ -399,10 +405,24 @@ inline float value_factor(float scale) {
   return kType == CacheType::Int8 ? scale : scale * 256.f;
 }
 
+// value_factor of the scale of stored row i, scale[i] (1 for a plain cache, which has no scales).
+template <CacheType kType>
+inline float row_factor(const float* scale, int64_t i) {
+  if constexpr (kType == CacheType::Plain) {
+    return 1.f;
+  } else {
+    return value_factor<kType>(scale[i]);
+  }
+}
+
 // stored_value of Vectorized<float>::size() bytes from src on, one per lane.
 template <CacheType kType>
-inline Vectorized<float> load_stored(const int8_t* src) {
+inline Vectorized<float> load_stored(const StoredElem<kType>* src) {
 #if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (kType == CacheType::Plain) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  }
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   if constexpr (kType == CacheType::Int8) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
@@ -411,6 +431,10 @@ inline Vectorized<float> load_stored(const int8_t* src) {
     return _mm512_cvtph_ps(_mm256_and_si256(shifted, _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kType == CacheType::Plain) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+  }
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
   if constexpr (kType == CacheType::Int8) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
@@ -1303,6 +1327,21 @@ constexpr int64_t kDecodeMaxQueries = 16;
 // amortise a transpose of the K block for the block product.
 constexpr int64_t kDotRows = 8;
 
+// How many rows ahead the row readers (row_dots, stored_row_dots) ask for a key row: the hardware's prefetchers
+// alone read a bf16 cache at 12.6 GB/s where 25 GB/s is there (Xeon with AMX, bench/NOTES.md 38), and cannot
+// follow a paged cache's rows across its blocks.
+constexpr int64_t kPrefetchRows = 8;
+
+// Asks for `count` rows of `dim` elements from `first` on, at stride `ld` elements, to be brought into the cache.
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t ld, int64_t count, int64_t dim) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < count; ++i) {
+    const char* row = reinterpret_cast<const char*>(first + i * ld);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+  }
+}
+
 // s[r · lds + j] = q_r · k_j for r < rows, j < n: q rows packed (rows × D), k rows at stride ldk. Each
 // key row is loaded once for all the query rows; each dot product ends in one horizontal sum.
 template <typename T>
@@ -1312,6 +1351,7 @@ void row_dots(const T* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int6
   const int64_t full = D / W * W;
   for (int64_t j = 0; j < n; ++j) {
     const T* key = k + j * ldk;
+    if (j + kPrefetchRows < n) prefetch_rows(key + kPrefetchRows * ldk, ldk, 1, D);
     for (int64_t r = 0; r < rows; ++r) {
       const T* query = q + r * D;
       V acc0(T(0)), acc1(T(0));  // two chains hide the latency of the multiply-adds
@@ -1356,21 +1396,24 @@ inline void with_cache_and_rows(CacheType cache, int64_t rows, const F& f) {
   static_assert(kDotRows == 8, "with_cache_and_rows names each row count up to kDotRows");
   if (cache == CacheType::Float8E4M3) {
     with_rows(std::integral_constant<CacheType, CacheType::Float8E4M3>{});
-  } else {
+  } else if (cache == CacheType::Int8) {
     with_rows(std::integral_constant<CacheType, CacheType::Int8>{});
+  } else {
+    with_rows(std::integral_constant<CacheType, CacheType::Plain>{});
   }
 }
 
 // s[r · lds + j] = (q_r · k_j) · scale_j for r < R, j < n: q rows packed (R × D), the stored key rows at stride
 // ldk, key j's scale at scale[j · scale_stride]. Two accumulators per row take alternate vectors of D.
 template <CacheType kType, int R>
-void quantized_row_dots(const float* q, int64_t D, const int8_t* k, int64_t ldk, const float* scale,
+void stored_row_dots(const float* q, int64_t D, const StoredElem<kType>* k, int64_t ldk, const float* scale,
                         int64_t scale_stride, int64_t n, float* s, int64_t lds) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
   const int64_t full = D / W * W;
   for (int64_t j = 0; j < n; ++j) {
-    const int8_t* key = k + j * ldk;
+    const StoredElem<kType>* key = k + j * ldk;
+    if (j + kPrefetchRows < n) prefetch_rows(key + kPrefetchRows * ldk, ldk, 1, D);
     V acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = V(0.f);
     int64_t d = 0;
@@ -1385,7 +1428,7 @@ void quantized_row_dots(const float* q, int64_t D, const int8_t* k, int64_t ldk,
       const V k0 = load_stored<kType>(key + d);
       for (int r = 0; r < R; ++r) acc0[r] = at::vec::fmadd(V::loadu(q + r * D + d), k0, acc0[r]);
     }
-    const float factor = value_factor<kType>(scale[j * scale_stride]);
+    const float factor = row_factor<kType>(scale, j * scale_stride);
     for (int r = 0; r < R; ++r) {
       float dot = at::vec::vec_reduce_all<float>([](V& x, V& y) { return x + y; }, acc0[r] + acc1[r]);
       for (d = full; d < D; ++d) dot += q[r * D + d] * stored_value<kType>(key[d]);
@@ -1394,14 +1437,14 @@ void quantized_row_dots(const float* q, int64_t D, const int8_t* k, int64_t ldk,
   }
 }
 
-// Keys per run of add_quantized_values: their value rows stay in L1 while every vector of D passes over them.
+// Keys per run of add_stored_values: their value rows stay in L1 while every vector of D passes over them.
 constexpr int64_t kValueRun = 64;
 
 // o[r · ldo + d] (= or +=) Σ_j p[r · ldp + j] · scale_j · v_j[d] for r < R, d < Dv, j < n: the stored value rows at
 // stride ldv, value j's scale at scale[j · scale_stride]. Per run of keys, the weights p · scale first, then C
 // vectors of D at a time against every key of the run (C · R accumulators, at least 4 chains of multiply-adds).
 template <CacheType kType, int R>
-void add_quantized_values(const float* p, int64_t ldp, const int8_t* v, int64_t ldv, const float* scale,
+void add_stored_values(const float* p, int64_t ldp, const StoredElem<kType>* v, int64_t ldv, const float* scale,
                           int64_t scale_stride, int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
@@ -1410,7 +1453,7 @@ void add_quantized_values(const float* p, int64_t ldp, const int8_t* v, int64_t 
     for (int r = 0; r < R; ++r) std::fill(o + r * ldo, o + r * ldo + Dv, 0.f);
   }
   float weights[R * kValueRun];
-  const auto pass = [&](auto chunks, int64_t d, const int8_t* values, int64_t m) {  // chunks vectors from d on
+  const auto pass = [&](auto chunks, int64_t d, const StoredElem<kType>* values, int64_t m) {  // chunks vectors from d on
     constexpr int kChunks = decltype(chunks)::value;
     V acc[kChunks][R];
     for (int c = 0; c < kChunks; ++c) {
@@ -1429,9 +1472,10 @@ void add_quantized_values(const float* p, int64_t ldp, const int8_t* v, int64_t 
   const int64_t full = Dv / W * W;
   for (int64_t j0 = 0; j0 < n; j0 += kValueRun) {
     const int64_t m = std::min(kValueRun, n - j0);
-    const int8_t* values = v + j0 * ldv;
+    const StoredElem<kType>* values = v + j0 * ldv;
+    prefetch_rows(values + kValueRun * ldv, ldv, std::min(kValueRun, n - j0 - m), Dv);  // the next run's rows
     for (int64_t j = 0; j < m; ++j) {
-      const float factor = value_factor<kType>(scale[(j0 + j) * scale_stride]);
+      const float factor = row_factor<kType>(scale, (j0 + j) * scale_stride);
       for (int r = 0; r < R; ++r) weights[r * kValueRun + j] = p[r * ldp + j0 + j] * factor;
     }
     int64_t d = 0;
@@ -1446,42 +1490,57 @@ void add_quantized_values(const float* p, int64_t ldp, const int8_t* v, int64_t 
   }
 }
 
+// The first rows of the `following` keys from j on (head hk of batch row b in `view`, of elements T), as far as
+// kPrefetchRows and j's cache block reach.
+template <typename T>
+inline void prefetch_next_run(const Params& p, const View& view, int64_t b, int64_t hk, int64_t j, int64_t following,
+                              int64_t dim) {
+  if (following <= 0) return;
+  const T* first = key_row(p, view, static_cast<const T*>(view.data), b, hk, j);
+  prefetch_rows(first, view.s[2], keys_in_block(p, j, std::min(kPrefetchRows, following)), dim);
+}
+
 // The scores s (rows × n, row stride lds) of query rows q (packed, rows × D) against the keys k0 .. k0 + n of
-// head hk of batch row b, within one block of an 8-bit cache: quantized_row_dots, kDotRows rows at a time. The operands are float wherever
-// this is reached (decode_impl runs float operands on an 8-bit cache).
+// head hk of batch row b, within one cache block read in place (an 8-bit cache, or bf16 as reads_stored_rows says):
+// stored_row_dots, kDotRows rows at a time. The operands are float wherever this is reached. `following`: how many
+// keys after these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
 template <typename Q, typename S>
-void quantized_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
-                      int64_t lds) {
+void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
+                   int64_t lds, int64_t following) {
   if constexpr (std::is_same_v<Q, float> && std::is_same_v<S, float>) {
-    const int8_t* keys = key_row(p, p.key, static_cast<const int8_t*>(p.key.data), b, hk, k0);
-    const float* scale = scale_row(p, p.k_scale, b, hk, k0);
+    const float* scale = p.cache == CacheType::Plain ? nullptr : scale_row(p, p.k_scale, b, hk, k0);
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
-        quantized_row_dots<decltype(type)::value, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, keys, p.key.s[2],
-                                                                          scale, p.k_scale.s[2], n, s + r0 * lds, lds);
+        using Elem = StoredElem<decltype(type)::value>;
+        const Elem* keys = key_row(p, p.key, static_cast<const Elem*>(p.key.data), b, hk, k0);
+        if (r0 == 0) prefetch_next_run<Elem>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
+        stored_row_dots<decltype(type)::value, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, keys, p.key.s[2],
+                                                                       scale, p.k_scale.s[2], n, s + r0 * lds, lds);
       });
     }
   } else {
-    TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is read with float operands only");
+    TORCH_INTERNAL_ASSERT(false, "stored rows are read with float operands only");
   }
 }
 
 // o (rows × D_v, row stride ldo) = or += prob (rows × n, row stride ldp) times the values k0 .. k0 + n of head hk of
-// batch row b, within one block of an 8-bit cache: add_quantized_values, kDotRows rows at a time.
+// batch row b, within one cache block read in place: add_stored_values, kDotRows rows at a time.
 template <typename P, typename O>
-void quantized_values_product(const Params& p, const P* prob, int64_t ldp, int64_t rows, int64_t b, int64_t hk,
-                              int64_t k0, int64_t n, O* o, int64_t ldo, bool add) {
+void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t rows, int64_t b, int64_t hk,
+                           int64_t k0, int64_t n, O* o, int64_t ldo, bool add, int64_t following) {
   if constexpr (std::is_same_v<P, float> && std::is_same_v<O, float>) {
-    const int8_t* values = key_row(p, p.value, static_cast<const int8_t*>(p.value.data), b, hk, k0);
-    const float* scale = scale_row(p, p.v_scale, b, hk, k0);
+    const float* scale = p.cache == CacheType::Plain ? nullptr : scale_row(p, p.v_scale, b, hk, k0);
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
-        add_quantized_values<decltype(type)::value, decltype(count)::value>(
+        using Elem = StoredElem<decltype(type)::value>;
+        const Elem* values = key_row(p, p.value, static_cast<const Elem*>(p.value.data), b, hk, k0);
+        if (r0 == 0) prefetch_next_run<Elem>(p, p.value, b, hk, k0 + n, following, p.dim_v);
+        add_stored_values<decltype(type)::value, decltype(count)::value>(
             prob + r0 * ldp, ldp, values, p.value.s[2], scale, p.v_scale.s[2], n, p.dim_v, o + r0 * ldo, ldo, add);
       });
     }
   } else {
-    TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is read with float operands only");
+    TORCH_INTERNAL_ASSERT(false, "stored rows are read with float operands only");
   }
 }
 
@@ -1516,9 +1575,12 @@ void decode_impl(const Params& p) {
   const bool quantized = p.cache != CacheType::Plain;
   const bool k_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
   const bool v_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
-  // An 8-bit cache's bytes feed both products themselves where they are few rows' and contiguous along D.
-  const bool k_stored = quantized && rows <= kStoredRows && p.key.s[3] == 1;
-  const bool v_stored = quantized && rows <= kStoredRows && p.value.s[3] == 1;
+  // An 8-bit cache's bytes feed both products themselves where they are few rows' and contiguous along D, and so do
+  // bf16 rows under at most kDotRows float rows (no float copy of them written and read back).
+  constexpr bool bf16_in_float = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<ct, float>;
+  const bool stored = quantized ? rows <= kStoredRows : bf16_in_float && rows <= kDotRows;
+  const bool k_stored = stored && p.key.s[3] == 1;
+  const bool v_stored = stored && p.value.s[3] == 1;
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
   // A paged cache's key blocks span its blocks (every row operation runs block by block, run by run) except where
   // a product packs K or V whole: VNNI pairs, or Kᵀ of in-place rows for more than kDotRows rows.
@@ -1579,7 +1641,9 @@ void decode_impl(const Params& p) {
           pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
           gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
         } else if (k_stored) {
-          for_each_run([&](int64_t j0, int64_t n) { quantized_scores(p, qbuf, rows, b, hk, k0 + j0, n, sbuf + j0, bk); });
+          for_each_run([&](int64_t j0, int64_t n) {
+            stored_scores(p, qbuf, rows, b, hk, k0 + j0, n, sbuf + j0, bk, k_end - (k0 + j0 + n));
+          });
         } else {
           const ct* k_float = krows;
           int64_t ldk = D;
@@ -1617,7 +1681,8 @@ void decode_impl(const Params& p) {
         const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
         if (v_stored) {
           for_each_run([&](int64_t j0, int64_t n) {
-            quantized_values_product(p, pbuf + j0, ldp, rows, b, hk, k0 + j0, n, obuf, Dv, accumulate || j0 > 0);
+            stored_values_product(p, pbuf + j0, ldp, rows, b, hk, k0 + j0, n, obuf, Dv, accumulate || j0 > 0,
+                                  k_end - (k0 + j0 + n));
           });
         } else if (v_in_place) {
           for_each_run([&](int64_t j0, int64_t n) {
@@ -2003,13 +2068,14 @@ void backward_impl(const Params& p) {
 // and bf16 in the AVX512-BF16 copy wherever oneDNN's bf16 brgemm runs (p.bf16_brgemm), its
 // vdpbf16ps doing twice the multiply-adds of float FMAs. Elsewhere they become float. `dot_rows`: a
 // decode call whose scores are dot products of K rows as they lie (decode_impl, in float), which
-// without AMX stays cheaper than transposing every K block into VNNI pairs for a product of so few
-// rows (4 × 32 heads of one query against 2048 keys: 8.5 ms in float, 10.9 ms through bf16 brgemm).
+// stays cheaper than transposing every K block into VNNI pairs for a product of so few rows, with
+// AMX too (4 × 32 heads of one query against 2048 keys on Zen 4: 8.5 ms in float, 10.9 ms through
+// bf16 brgemm; bench/NOTES.md 38 for AMX), and lets a paged cache's key blocks span its blocks.
 inline bool typed_products(const Params& p, at::ScalarType type, bool dot_rows) {
-  if (!p.use_brgemm || p.cache != CacheType::Plain) return false;  // 8-bit caches: dequantized into float rows
+  if (!p.use_brgemm || p.cache != CacheType::Plain || dot_rows) return false;  // 8-bit caches: dequantized
   if (at::native::cpublas::could_pack(type)) return true;
 #if defined(FUSED_ATTN_AVX512_BF16)
-  return type == at::kBFloat16 && p.bf16_brgemm && !dot_rows;
+  return type == at::kBFloat16 && p.bf16_brgemm;
 #else
   return false;
 #endif
