@@ -485,6 +485,28 @@ def test_decode_splits_the_keys_of_a_lone_head(generator, dtype, len_k, sinks):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["heads_inner", "seq_first", "packed"])
+@pytest.mark.parametrize("len_k", [300, 1100])
+def test_decode_items_take_every_head_of_interleaved_rows(generator, dtype, layout, len_k):
+    """K and V whose rows hold the heads side by side (a (B, L, H, D) cache): a decode item takes several heads
+    at once (with 1100 keys on two threads, the keys split too, merged per head), each head with its own rows,
+    maxima and accumulator; GQA, padding, dropout, a window and sinks along."""
+    case = testing.Case(batch=2, heads_q=8, heads_kv=4, len_q=1, len_k=len_k, dim_qk=32, key_padding=True,
+                        dropout_p=0.1, window=(len_k // 2, -1), causal_alignment="bottom_right", lse_grad=True,
+                        sinks=True)
+    inputs = testing.random_inputs(case, dtype, 0, generator)
+    inputs = dataclasses.replace(inputs, key=testing.strided(inputs.key, layout),
+                                 value=testing.strided(inputs.value, layout))
+    assert inputs.key.stride(1) < inputs.key.stride(2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("block_k", ["7", "64", "512"])
 def test_windows_across_block_sizes(generator, monkeypatch, block_k):
     """Windows narrower and wider than a key block, and bottom-right rows that start mid-block."""
