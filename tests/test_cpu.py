@@ -1,6 +1,7 @@
 """The cpu backend (csrc/cpu): the DESIGN.md criterion over features × dtypes × layouts, gradcheck,
 determinism across runs and thread counts, fully hidden rows, errors, and every instruction set."""
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -466,6 +467,17 @@ def test_decode_path_meets_criterion(generator, small_blocks, name, dtype, rotat
     testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
 
 
+@contextlib.contextmanager
+def torch_threads(count):
+    """torch's intra-op threads set to `count` for the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("len_k", [1100, 2100])
 @pytest.mark.parametrize("sinks", [False, True])
@@ -477,12 +489,8 @@ def test_decode_splits_the_keys_of_a_lone_head(generator, dtype, len_k, sinks):
                         dropout_p=0.1, window=(len_k // 2, -1), causal_alignment="bottom_right", lse_grad=True,
                         sinks=sinks)
     inputs = testing.random_inputs(case, dtype, 1, generator)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -499,12 +507,8 @@ def test_decode_items_take_every_head_of_interleaved_rows(generator, dtype, layo
     inputs = dataclasses.replace(inputs, key=testing.strided(inputs.key, layout),
                                  value=testing.strided(inputs.value, layout))
     assert inputs.key.stride(1) < inputs.key.stride(2)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         testing.check_inputs(testing.run_attention(inputs, "cpu"), inputs)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("block_k", ["7", "64", "512"])
