@@ -49,7 +49,7 @@ check-gpu-install:
 check-gpu-install-full:
 	$(PYTHON) scripts/check_gpu_install.py --full --python-versions $(RUNNER_PYTHONS)
 
-# The Triton tests (interpreter) and the static sm_80/sm_90 report (exit 1 unless every kernel compiles,
+# The Triton tests (interpreter) and the static sm_80/sm_90/sm_100 report (exit 1 unless every kernel compiles,
 # fits and uses tensor cores) on each supported Triton release, installed side by side in
 # .triton/<version> and put first on PYTHONPATH for the venv's interpreter.
 test-triton: $(INSTALLED)

@@ -1,9 +1,9 @@
 """`python -m bench.inspect`: the static GPU report, made without a GPU.
 
-Compiles the Triton kernels (every default config, with Triton's compiler and an explicit target) and
-the CUDA kernels (every shipped template instance, with nvcc) for sm_80 and sm_90, and prints per
-kernel: registers, spill bytes, stack, shared memory, tensor-core instruction counts (HMMA/HGMMA) and
-whether it fits the device.
+Compiles the Triton kernels (every default config, with Triton's compiler and an explicit target) for sm_80,
+sm_90 and sm_100 and the CUDA kernels (every shipped template instance, with nvcc) for sm_80 and sm_90, and
+prints per kernel: registers, spill bytes, stack, shared memory, tensor-core instruction counts
+(HMMA/HGMMA/UTCHMMA) and whether it fits the device.
 
     python -m bench.inspect            # table
     python -m bench.inspect --json     # one JSON object per (backend, kernel, target, config)

@@ -8,11 +8,14 @@ same with a mask program (fused_attn.masks) without and with dropout (forward, d
 for dK/dV causal with dropout and the gradient of a learned additive bias, alone and with the score variants;
 the forward and the split-KV decode kernels over a paged cache of the query's dtype, of int8 and of
 float8_e4m3fn (fused_attn.quantization, a scale per stored key; float8_e4m3fn also one per sequence), the
-decode kernels also plain and with the score variants, their combine plain and with sinks) for sm_80 and
-sm_90 with Triton's own compiler and an explicit target. The cubins are read with the `cuobjdump` shipped in the Triton wheel:
-`--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores
-(spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90). Shared
-memory is Triton's dynamic allocation from the kernel metadata plus any static shared memory.
+decode kernels also plain and with the score variants, their combine plain and with sinks) for sm_80,
+sm_90 and sm_100 with Triton's own compiler and an explicit target (sm_100 takes the configs of sm_90, as a
+Blackwell device does: `triton_kernels.arch_of`). The cubins are read with the `cuobjdump` shipped in the
+Triton wheel: `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local
+loads/stores (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90,
+UTCHMMA — Blackwell's tcgen05.mma on fp16/bf16 operands — on sm_100; the decode kernel's 16-row tiles stay
+warp-level HMMA on both). Shared memory is Triton's dynamic allocation from the kernel metadata plus any
+static shared memory.
 
 The kernels are specialised exactly as a launch would specialise them (the JIT's own routine, found
 by `fused_attn.backends.triton_compat`) for a representative call: (B, L, H, D) tensors as
@@ -39,15 +42,29 @@ from pathlib import Path
 from . import gpu_binaries
 from .kernel_table import format_table
 
-TARGETS = {"sm_80": 80, "sm_90": 90}
-TENSOR_CORE_PREFIX = {"sm_80": "HMMA", "sm_90": "HGMMA"}
+TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
+TENSOR_CORE_PREFIX = {"sm_80": "HMMA", "sm_90": "HGMMA", "sm_100": "UTCHMMA"}
 # Kernels whose tiles are narrower than a warpgroup's 64 rows (the decode kernel's 16 query rows):
-# their products are warp-level mma (HMMA) on sm_90 too, still tensor cores.
+# their products are warp-level mma (HMMA) on sm_90 and sm_100 too, still tensor cores.
 NARROW_TILE_KERNELS = ("decode",)
 
 
 def tensor_core_prefix(kernel: str, target: str) -> str:
     return "HMMA" if kernel in NARROW_TILE_KERNELS else TENSOR_CORE_PREFIX[target]
+
+
+def capability(target: str) -> tuple[int, int]:
+    """The compute capability of a target: (9, 0) for "sm_90"."""
+    return TARGETS[target] // 10, TARGETS[target] % 10
+
+
+def config_arch(target: str) -> str:
+    """The generation whose config table a device of `target` launches with (`triton_kernels.arch_of`)."""
+    from fused_attn.backends import triton_kernels as tk
+
+    return tk.arch_of(capability(target))
+
+
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "decode_combine")
@@ -213,7 +230,7 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
         blocks = batch * length // PAGE_SIZE
         cache_name, layout = PAGED_CACHES[scores]
         cache_dtype = getattr(torch, cache_name or dtype_name)
-        fp8_type = (TARGETS[target] // 10, TARGETS[target] % 10) >= tk.FP8_CAPABILITY
+        fp8_type = capability(target) >= tk.FP8_CAPABILITY
         k, v = (tk.cache_blocks(torch.empty(blocks, PAGE_SIZE, heads, head_dim, dtype=cache_dtype), fp8_type)
                 for _ in range(2))
         # An 8-bit cache's scales: one per stored key and head, (num_blocks, block_size, H_kv), or per sequence.
@@ -265,7 +282,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
     local_accesses = 0
     for opcode in opcodes:
         base = opcode.split(".")[0]
-        if base in ("HMMA", "HGMMA", "IMMA", "WGMMA"):
+        if "MMA" in base:  # HMMA, HGMMA, IMMA, and Blackwell's UTC*MMA (tcgen05.mma)
             tensor_core[opcode] = tensor_core.get(opcode, 0) + 1
         if base in ("LDL", "STL"):
             local_accesses += 1
@@ -298,7 +315,8 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     fn, args, constexprs, fixed, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
                                                               dropout, bias_grad, scores, target)
     if fixed is None:
-        config = tk.default_config(kernel, target, tk.padded_head_dim(head_dim), dtype.itemsize, constexprs)
+        config = tk.default_config(kernel, config_arch(target), tk.padded_head_dim(head_dim), dtype.itemsize,
+                                   constexprs)
         constexprs = dict(constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)

@@ -1,15 +1,16 @@
 """Static GPU check of the `triton` backend, without a GPU.
 
-Every kernel is compiled at its default configs for sm_80 and sm_90 by Triton's own compiler (fp16 and
+Every kernel is compiled at its default configs for sm_80, sm_90 and sm_100 by Triton's own compiler (fp16 and
 bf16, head dims 64 and 128, causal and not, causal with dropout, causal with every score variant
 (attention sinks included), dK/dV also with a learned bias's gradient, packed batches, mask programs
 without and with dropout, the forward and split-KV decode kernels over paged caches of the query's dtype, int8
 and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decode combine with sinks; see
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
-sm_90), and shared memory fits the device (163 KB on sm_80, 227 KB on sm_90). The rows are the triton rows
+sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for the decode kernel's 16-row tiles), and shared memory fits
+the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The rows are the triton rows
 of `python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of
-conftest.py; 296 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
+conftest.py; 444 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
     for (kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores), row in rows.items():
         if kernel not in triton_report.MATMUL_KERNELS or kernel not in tk.KERNELS:  # decode: a fixed config
             continue
-        config = tk.default_config(kernel, target, head_dim, 2, dict(HAS_DROPOUT=dropout, HAS_MASK_GRAD=bias_grad,
-                                                                     VARLEN=scores == triton_report.PACKED,
-                                                                     HAS_PROGRAM=scores == triton_report.PROGRAM))
+        features = dict(HAS_DROPOUT=dropout, HAS_MASK_GRAD=bias_grad, VARLEN=scores == triton_report.PACKED,
+                        HAS_PROGRAM=scores == triton_report.PROGRAM)
+        config = tk.default_config(kernel, triton_report.config_arch(target), head_dim, 2, features)
         assert str(config) == row["config"]
         estimate = tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2, dropout)
         assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,

@@ -997,8 +997,8 @@ _DEFAULTS = {
 # fp32 at every head dim on sm_80 and sm_90 (64 rows with 4 warps spilled for fp32 on sm_90).
 PREPROCESS_BLOCK_M = 32
 PREPROCESS_WARPS = 8
-# Shared memory per block, opt-in maximum: A100 (sm_80) and H100 (sm_90).
-SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+# Shared memory per block, opt-in maximum: A100 (sm_80), H100 (sm_90) and B200 (sm_100).
+SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -1007,6 +1007,10 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def arch_of(capability: tuple[int, int]) -> str:
+    """The generation whose configs a device of `capability` launches: "sm_80", "sm_90", or "sm_100" (Blackwell,
+    sm_90's tables but where `_BLACKWELL_DEFAULTS` says otherwise)."""
+    if capability[0] >= 10:
+        return "sm_100"
     return "sm_90" if capability[0] >= 9 else "sm_80"
 
 
@@ -1053,11 +1057,39 @@ _PROGRAM_DEFAULTS = {
 }
 
 
+# fp16/bf16 tiles on Blackwell (sm_100) where sm_90's default spills registers there, each compiled for sm_100 on
+# Triton 3.9 (bench/triton_report.py): no spills, tcgen05 products (UTCHMMA) kept. Keyed (kernel, head dim of the
+# table), then the features a launch has all of (the first entry that matches): SCORES is a softcap, ALiBi or key
+# padding, the others constexprs of the kernels.
+_BLACKWELL_DEFAULTS = {
+    ("fwd", 64): ((("SCORES",), _K(128, 32, 4, 3)), (("KV8",), _K(128, 32, 4, 3))),  # sm_90's (128, 64, 4, 3) spills
+    ("bwd_dkdv", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(16, 64, 4, 2)),),  # (32, 64, 4, 2) spills
+    ("bwd_dkdv", 128): ((("HAS_MASK_GRAD", "HAS_DROPOUT", "SCORES"), _K(16, 64, 4, 2)),),  # (16, 64, 8, 2) spills
+    ("bwd_dq", 64): ((("VARLEN", "HAS_DROPOUT"), _K(64, 32, 4, 2)),),  # (64, 64, 4, 2) spills
+    ("bwd_dq", 128): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(64, 32, 8, 2)),),  # (64, 32, 4, 2) spills
+}
+
+
+def _blackwell_default(kernel: str, dim: int, constexprs: dict | None) -> KernelConfig | None:
+    """The Blackwell tiles of `kernel` for a launch with `constexprs`, or None where sm_90's hold."""
+    on = {name for name, value in (constexprs or {}).items() if value is True}
+    if on & {"SOFTCAP", "HAS_ALIBI", "HAS_KPM"}:
+        on.add("SCORES")
+    for features, config in _BLACKWELL_DEFAULTS.get((kernel, dim), ()):
+        if on.issuperset(features):
+            return config
+    return None
+
+
 def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
                    constexprs: dict | None = None) -> KernelConfig:
-    """The default of `kernel` on `arch` ("sm_80" or "sm_90") for a padded head dim and, where given,
+    """The default of `kernel` on `arch` ("sm_80", "sm_90" or "sm_100") for a padded head dim and, where given,
     the features of the launch (its constexprs: a mask program, dropout, a bias gradient and packed
     batches with dropout have tiles of their own)."""
+    if arch == "sm_100":
+        dim = min(dim for dim in _DEFAULTS[(kernel, "sm_90", 2)] if dim >= head_dim)
+        blackwell = _blackwell_default(kernel, dim, constexprs) if element_size == 2 else None
+        return blackwell or default_config(kernel, "sm_90", head_dim, element_size, constexprs)
     table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
     dim = min(dim for dim in table if dim >= head_dim)
     if constexprs and constexprs.get("HAS_PROGRAM") and element_size == 2:
