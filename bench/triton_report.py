@@ -317,7 +317,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     if fixed is None:
         config = tk.default_config(kernel, config_arch(target), tk.padded_head_dim(head_dim), dtype.itemsize,
                                    constexprs)
-        constexprs = dict(constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+        constexprs = dict(constexprs, **config.constexprs(kernel))
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)
     else:

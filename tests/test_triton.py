@@ -280,9 +280,9 @@ def _recording_launches(monkeypatch):
     launches = []
     launch = tk._launch
 
-    def recording(kernel, programs_along, args, constexprs, tensor):
+    def recording(kernel, programs_along, args, constexprs, tensor, **options):
         launches.append((kernel, [a for a in args if isinstance(a, torch.Tensor)]))
-        return launch(kernel, programs_along, args, constexprs, tensor)
+        return launch(kernel, programs_along, args, constexprs, tensor, **options)
 
     monkeypatch.setattr(tk, "_launch", recording)
     return launches
@@ -1310,3 +1310,192 @@ def test_default_configs_fit_their_generation(kernel):
             for size in (2, 4):
                 config = tk.default_config(kernel, arch, head_dim, size)
                 assert tk.shared_memory_estimate(kernel, config, head_dim, head_dim, size) <= limit
+
+
+# ---------------------------------------------------------------------------------------------------
+# The forward's tensor-descriptor variant (DESCRIPTORS: Q, K, V and O through tl.make_tensor_descriptor, TMA on
+# sm_90 and later), forced by FUSED_ATTN_TRITON_DESCRIPTORS=1 where a call's layouts allow it
+# ---------------------------------------------------------------------------------------------------
+
+# Layouts a descriptor reads: unit stride along D, the other strides multiples of 16 bytes when D's are.
+DESCRIPTOR_LAYOUTS = ("contiguous", "heads_inner", "seq_first")
+# Every case of the pointer kernels' tests (plain, score variants, sinks, mask programs; the decode cases too, with
+# the decode kernels turned off), once per dtype: small tiles and the default ones alternate over the cases.
+DESCRIPTOR_CASES = {**CASES, **VARIANT_CASES,
+                    **{name: dataclasses.replace(case, sinks=True) for name, case in SINK_CASES.items()},
+                    **testing.PROGRAM_CASES}
+DESCRIPTOR_RUNS = [pytest.param(name, dtype, index % len(DESCRIPTOR_LAYOUTS), id=f"{name}-{dtype_id}")
+                   for index, name in enumerate(DESCRIPTOR_CASES) for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)]
+
+
+def descriptor_inputs(case: Case, dtype, rotation: int, generator) -> testing.Inputs:
+    """`make_inputs`, then q, k and v in three different DESCRIPTOR_LAYOUTS, the NaN-poisoned output in the
+    first of them (grad_out, masks and the rest as drawn)."""
+    inputs = make_inputs(case, dtype, rotation, generator)
+    layouts = [DESCRIPTOR_LAYOUTS[(rotation + i) % len(DESCRIPTOR_LAYOUTS)] for i in range(3)]
+    query, key, value = (testing.strided(getattr(inputs, name), layout)
+                         for name, layout in zip(("query", "key", "value"), layouts))
+    out = testing.poisoned_output(query, case.value_dim, layouts[0])
+    return dataclasses.replace(inputs, query=query, key=key, value=value, out=out)
+
+
+def forward_tensors(inputs: testing.Inputs) -> dict:
+    """What the forward reads and writes through descriptors, by name (`descriptor_refusals`)."""
+    return dict(query=inputs.query, key=inputs.key, value=inputs.value, out=inputs.out)
+
+
+def _recording_variants(monkeypatch) -> list:
+    """Records the DESCRIPTORS constexpr of every launch of the forward kernel."""
+    variants = []
+    kernel = tk.KERNELS["fwd"]
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                variants.append(kwargs["DESCRIPTORS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setitem(tk.KERNELS, "fwd", Recording())
+    return variants
+
+
+def _descriptor_tiles(case: Case, dtype, rotation: int) -> dict:
+    """As the pointer kernels' tests: a mask program's tiles of 32 and 64 for fp32 and the default ones for fp16
+    and bf16 (PROGRAM_RUNS), else small tiles and the default ones alternately."""
+    if case.program is not None:
+        return PROGRAM_TILES if dtype == torch.float32 else {}
+    return SMALL_TILES if rotation % 2 == 0 else {}
+
+
+@pytest.mark.parametrize("name,dtype,rotation", DESCRIPTOR_RUNS)
+def test_descriptor_forward_matches_reference(name, dtype, rotation, generator, monkeypatch):
+    """The descriptor variant runs wherever `descriptor_refusals` finds nothing (head dims whose rows are not
+    multiples of 16 bytes keep pointers), and gives what the reference gives, by the same criterion."""
+    monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "1")
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE", "0")
+    case = DESCRIPTOR_CASES[name]
+    inputs = descriptor_inputs(case, dtype, rotation, generator)
+    refusals = tk.descriptor_refusals(forward_tensors(inputs))
+    variants = _recording_variants(monkeypatch)
+    with tk.forced_configs(**_descriptor_tiles(case, dtype, rotation)):
+        results = run_backend(inputs)
+    assert variants == [not refusals], refusals
+    testing.check_inputs(results, inputs)
+
+
+def test_descriptor_forward_serves_most_cases(generator):
+    """The matrix above runs the descriptor variant for most of its cases, not the fallback (Triton 3.5's
+    interpreter, which wants strides of 16 elements, refuses the most: a fifth)."""
+    served = []
+    for name, case in DESCRIPTOR_CASES.items():
+        inputs = descriptor_inputs(case, torch.float16, 0, generator)
+        if not tk.descriptor_refusals(forward_tensors(inputs)):
+            served.append(name)
+    assert len(served) >= 0.75 * len(DESCRIPTOR_CASES), sorted(set(DESCRIPTOR_CASES) - set(served))
+
+
+def test_descriptor_refusals_name_each_reason(generator):
+    q = torch.randn(2, 2, 40, 16, generator=generator).to(torch.float16).to(DEVICE)
+    assert tk.descriptor_refusals(dict(query=q, key=q, value=q, out=q)) == []
+    reversed_v = testing.strided(q, "reversed")
+    packed_k = testing.strided(q, "packed")  # rows of 3 * H * (D + 1) elements
+    narrow_out = torch.empty(2, 2, 40, 12, dtype=torch.float16, device=DEVICE)  # rows of 24 bytes
+    reasons = tk.descriptor_refusals(dict(query=q, key=packed_k, value=reversed_v, out=narrow_out))
+    assert any(r.startswith("key: strides") and "bytes" in r for r in reasons), reasons
+    assert any(r.startswith("value: stride") and "along the head dim, not 1" in r for r in reasons), reasons
+    assert any(r.startswith("out: strides") for r in reasons), reasons
+    assert not any(r.startswith("query") for r in reasons)
+    pages = tk.Pages(torch.zeros(2, 3, dtype=torch.int32, device=DEVICE), 16)
+    plain = dict(query=q, key=q, value=q, out=q)
+    assert any("paged cache" in r for r in tk.descriptor_refusals(plain, pages))
+    bounds = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEVICE)
+    packed = tk.Sequences(bounds, bounds, 20, 20)
+    assert any("packed batch" in r for r in tk.descriptor_refusals(plain, None, packed))
+
+
+def test_forced_descriptor_config_falls_back_where_a_call_cannot_take_it(generator, monkeypatch):
+    """A forced config of the variant on layouts it cannot read launches the pointer variant, correctly."""
+    inputs = make_inputs(CASES["causal"], torch.float32, 0, generator)  # the output "packed": rows of 17 floats
+    assert tk.descriptor_refusals(forward_tensors(inputs))
+    variants = _recording_variants(monkeypatch)
+    with tk.forced_configs(**dict(SMALL_TILES, fwd=tk.KernelConfig(16, 32, 4, 1, descriptors=True))):
+        results = run_backend(inputs)
+    assert variants == [False]
+    testing.check_inputs(results, inputs)
+
+
+def test_descriptor_mode_is_checked(monkeypatch):
+    for value, mode in (("", "auto"), ("auto", "auto"), ("1", "on"), ("0", "off")):
+        monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, value)
+        assert tk.descriptor_mode() == mode
+    monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "yes")
+    with pytest.raises(ValueError, match=tk.DESCRIPTORS_VARIABLE):
+        tk.descriptor_mode()
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_autotune_offers_the_descriptor_variant_beside_pointers(mode, monkeypatch):
+    """On sm_90 the descriptor variant of each kept candidate joins them (alone with FUSED_ATTN_TRITON_DESCRIPTORS=1),
+    and the default's warp-specialized one where Triton has it; an autotuner without descriptors offers none."""
+    from fused_attn.backends import triton_compat
+
+    monkeypatch.setattr(tk, "_device_limits", lambda index: ((9, 0), 227 * 1024))
+    monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, mode)
+    constexprs = dict(BLOCK_DQK=64, BLOCK_DV=64, D_QK=64, D_V=64)
+    plain = tk._autotuned("fwd").early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs)
+    both = tk._autotuned("fwd", True).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs)
+    assert not any(c.kwargs["DESCRIPTORS"] or c.kwargs["WARP_SPECIALIZE"] for c in plain)
+    pointers = [c for c in both if not c.kwargs["DESCRIPTORS"]]
+    descriptors = [c for c in both if c.kwargs["DESCRIPTORS"] and not c.kwargs["WARP_SPECIALIZE"]]
+    specialized = [c for c in both if c.kwargs["WARP_SPECIALIZE"]]
+    assert len(descriptors) == len(plain)
+    assert [str(c) for c in pointers] == ([] if mode == "1" else [str(c) for c in plain])
+    assert len(specialized) == (1 if triton_compat.warp_specialization() else 0)  # constexprs without scores
+    assert all(c.kwargs["DESCRIPTORS"] for c in specialized)
+    # With score variants and key padding its partitions spill on sm_100: not offered.
+    scored = tk._autotuned("fwd", True).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs, SOFTCAP=True,
+                                                            HAS_KPM=True)
+    assert not any(c.kwargs["WARP_SPECIALIZE"] for c in scored)
+
+
+@pytest.mark.parametrize("capability, varlen, expected", [
+    ((9, 0), False, "also tries Q, K, V and O through tensor descriptors"),
+    ((10, 0), False, "also tries Q, K, V and O through tensor descriptors"),
+    ((8, 0), False, "pointers only: tensor descriptors (TMA) need compute capability 9.0 or newer, got 8.0"),
+    ((9, 0), True, "pointers only: a packed batch"),
+])
+def test_registry_notes_say_whether_the_forward_takes_descriptors(capability, varlen, expected, monkeypatch):
+    from fused_attn.problem import Problem
+
+    monkeypatch.setattr(tk, "interpreting", lambda: False)
+    monkeypatch.setattr(tk, "_device_limits", lambda index: (capability, 227 * 1024))
+    problem = Problem(torch.device("cuda", 0), torch.float16, 1, 2, 2, 64, 64, 64, 64, False, 0.0, None, False, False,
+                      varlen=varlen)
+    assert any(expected in note for note in BACKEND.notes(problem)), BACKEND.notes(problem)
+
+
+def test_a_descriptor_variant_triton_cannot_build_falls_back_to_pointers(monkeypatch, generator):
+    """On a GPU, a failure to build the variant (a Triton that cannot compile it) runs the launch on the pointer
+    candidates, and every later call is refused the variant with that reason."""
+    launched = []
+
+    class Tuner:
+        def __init__(self, descriptors):
+            self.descriptors = descriptors
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append(self.descriptors)
+                if self.descriptors:
+                    raise RuntimeError("PassManager::run failed\n(the pass's diagnostics)")
+            return run
+
+    monkeypatch.setattr(tk, "_autotuned", lambda kernel, descriptors=False: Tuner(descriptors))
+    monkeypatch.setattr(tk, "interpreting", lambda: False)
+    monkeypatch.setattr(tk, "_descriptor_failure", [])
+    tk._launch("fwd", lambda m, n: 1, (), {}, _FakeCudaTensor(), descriptors=True)
+    assert launched == [True, False]
+    q = torch.randn(1, 2, 32, 16, generator=generator).to(torch.float16)
+    assert tk.descriptor_refusals(dict(query=q, key=q, value=q, out=q)) == [
+        "triton could not build the descriptor variant (RuntimeError: PassManager::run failed)"]

@@ -109,6 +109,28 @@ class TritonBackend(Backend):
             return ["bfloat16 needs compute capability 8.0 or newer"]
         return []
 
+    def notes(self, problem: Problem) -> list[str]:
+        """Also, on a GPU, whether the forward's tensor-descriptor (TMA) variant is among the autotuner's
+        candidates for calls like this one, or why not (a call's own layouts may still keep it out:
+        `triton_kernels.descriptor_refusals`)."""
+        notes = super().notes(problem)
+        if problem.device.type != "cuda":
+            return notes
+        kernels = _kernels()
+        reason = kernels.descriptors_unavailable(problem.device)
+        if reason is None and problem.varlen:
+            reason = kernels.PACKED_REFUSAL
+        if reason is None and problem.cache_dtype is not None:
+            reason = kernels.PAGED_REFUSAL
+        if reason is None and kernels.descriptor_mode() == "off":
+            reason = f"{kernels.DESCRIPTORS_VARIABLE}=0"
+        if reason is None:
+            notes.append("its forward also tries Q, K, V and O through tensor descriptors (TMA) where the layouts "
+                         "allow")
+        else:
+            notes.append(f"its forward reads through pointers only: {reason}")
+        return notes
+
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,
                 variant=PLAIN):
         self.check_variant(variant, is_causal)

@@ -1,10 +1,13 @@
 """The Triton releases fused_attn supports, and what differs between them, in one place.
 
 The kernels are written with the language of every supported release (plain pointer arithmetic: no
-block pointers, which 3.9 removed; no tensor descriptors, which 3.5 lacks), so they need nothing
-from here. What differs is what lies around them: how the static report specialises a kernel's
-arguments for ahead-of-time compilation. Each difference is detected by what the installed Triton
-offers, not by comparing version numbers, so a release between the tested ones works too.
+block pointers, which 3.9 removed), so they need little from here. The forward's tensor-descriptor
+variant (`tl.make_tensor_descriptor`, TMA on sm_90 and later; every supported release has it) is an extra
+candidate where `tensor_descriptors()` finds it, with `tl.range`'s warp specialization where
+`warp_specialization()` does. What else differs is what lies around the kernels: how the static report
+specialises a kernel's arguments for ahead-of-time compilation, and where the global scratch memory of
+descriptors made on the device comes from (`scratch_allocator`). Each difference is detected by what the
+installed Triton offers, not by comparing version numbers, so a release between the tested ones works too.
 
 Users have the Triton their torch brought: PyPI's torch 2.13.0 (CUDA 13.0) pins 3.7.1, other
 releases of torch pin others. The tests and the static report run on 3.5.1, 3.6.0, 3.7.1, 3.8.0 and
@@ -16,8 +19,10 @@ from its metadata, so that choosing a backend stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
+import inspect
 import importlib.util
 import re
 import warnings
@@ -71,3 +76,52 @@ def specializer():
         python_impl = create_specialize_impl(BaseBackend.get_arg_specialization)
         return lambda arg: python_impl(arg, False, True, True)
     return lambda arg: native_specialize_impl(BaseBackend, arg, False, True, True)
+
+
+def tensor_descriptors() -> str | None:
+    """Why the installed Triton has no tensor descriptors made on the device (`tl.make_tensor_descriptor`), or None."""
+    import triton.language as tl
+
+    if not hasattr(tl, "make_tensor_descriptor"):
+        found = release()
+        name = f"triton {found[0]}.{found[1]}" if found else "the installed triton"
+        return f"{name} has no tl.make_tensor_descriptor"
+    return None
+
+
+def warp_specialization() -> bool:
+    """Whether `tl.range` takes warp_specialize (automatic warp specialization of a loop)."""
+    import triton.language as tl
+
+    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+def descriptor_stride_unit(element_size: int, interpreting: bool) -> int:
+    """The bytes every stride of a tensor descriptor but the last (and its base address) must be a multiple of:
+    16, as TMA requires. Triton 3.5's interpreter checks 16 elements instead (a fault of its validation, fixed
+    in 3.6), so there the kernels keep to 16 elements."""
+    if interpreting and release() == (3, 5):
+        return 16 * element_size
+    return 16
+
+
+@contextlib.contextmanager
+def scratch_allocator(device):
+    """Within the block, kernels that need global scratch memory (tensor descriptors made on the device: 128 bytes
+    each per program) get it from torch's allocator on `device`, unless the caller set an allocator of its own
+    (`triton.set_allocator`), which is left in place. Triton keeps the allocator in a context variable (3.5 to
+    3.9), set here for the block only."""
+    import torch
+    from triton.runtime import _allocation
+
+    def allocate(size: int, alignment: int, stream):  # torch's CUDA blocks are aligned to 512 bytes
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        yield
+        return
+    token = _allocation._allocator.set(allocate)
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)

@@ -60,6 +60,20 @@ the merged (B, L, H * D) layout. Nothing is made contiguous. Head dimensions are
 two of at least 16 inside the kernels (with load/store masks), lengths need not be block multiples.
 Offsets are computed in int64, so no tensor or mask size can overflow them.
 
+Tensor descriptors (DESCRIPTORS, the forward only; `tl.make_tensor_descriptor`, TMA on sm_90 and later): a
+variant of the forward kernel that reads Q, K and V and writes O through descriptors of each (batch row, head)'s
+(L, D) matrix, made on the device (`_rows_descriptor`), instead of pointer tiles; everything else, scores, masks,
+padding, dropout, sinks and mask programs, is the same code and reads through pointers. TMA zero-fills rows and
+columns past a matrix's end, as the pointer loads' masks do; key padding, which a descriptor cannot skip, is zeroed
+after the load (`_descriptor_rows`). WARP_SPECIALIZE adds Triton's automatic warp specialization of the key loop.
+The variant is an extra autotuning candidate on devices of DESCRIPTOR_CAPABILITY, beside the pointer configs,
+never the only one, for calls whose layouts TMA can read and that it serves (`descriptor_refusals`: a paged cache
+and packed batches keep pointers); if Triton cannot compile it, the forward goes back to pointers for the process.
+FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it wherever it serves a call (the interpreter's tests), =0 never
+(`descriptor_mode`). Descriptors made on the device take global scratch memory, 128 bytes each per program
+(the static report reads the kernel's), which triton_compat.scratch_allocator gives from torch's allocator. They have not run on a GPU here: the interpreter
+checks them and the static report compiles them for sm_90 and sm_100 (bench/triton_report.py).
+
 Precision of fp32 inputs on a GPU: the two matrix products per tile follow
 `torch.backends.cuda.matmul.allow_tf32`, as `torch.matmul` does for PyTorch users: TF32 tensor cores
 ("tf32") when it is True, full fp32 products ("ieee") when it is False, which is PyTorch's default.
@@ -83,6 +97,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import os
 
@@ -92,7 +107,9 @@ import triton.language as tl
 
 from .. import masks
 from ..scores import PLAIN, UNBOUNDED
+from . import triton_compat
 
+logger = logging.getLogger("fused_attn")
 LOG2E = math.log2(math.e)
 # A mask program's layout, as the kernels read it (fused_attn.masks, csrc/block_mask.h).
 PROGRAM_TILE = tl.constexpr(masks.TILE)
@@ -367,6 +384,27 @@ def _in_span(offs_n, first, end):
 
 
 @triton.jit
+def _rows_descriptor(base, rows, stride_row, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """A tensor descriptor (TMA on sm_90 and later) of the (rows, COLS) matrix at `base`, row stride stride_row and
+    unit column stride, read and written in blocks of (BLOCK_ROWS, BLOCK_COLS): a load fills the elements past
+    its bounds with 0, a store leaves them out. The caller checked what TMA needs (`descriptor_refusals`): base
+    and row stride multiples of 16 bytes."""
+    return tl.make_tensor_descriptor(base, shape=[rows, COLS], strides=[stride_row, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
+def _descriptor_rows(desc, first, load_ok, HAS_KPM: tl.constexpr):
+    """The block of rows first, first + 1, .. of descriptor `desc` (`_rows_descriptor`), rows past its end 0; with
+    HAS_KPM also the rows outside `load_ok`: a descriptor reads every row of the block, and padding may hold NaN
+    (`_in_span`)."""
+    block = desc.load([first, 0])
+    if HAS_KPM:
+        block = tl.where(load_ok[:, None], block, 0.0)
+    return block
+
+
+@triton.jit
 def _visible_scores(q, k_t, q_idx, offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base, stride_pn, slope2,
                     softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n, MASK_KIND: tl.constexpr,
                     HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -415,30 +453,36 @@ def _fold_sink(m_i, l_i, sink2):
 
 
 @triton.jit
-def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, ks_base, vs_base, off_b, offs_m, offs_dqk,
-                   offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn,
-                   stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn, stride_vsb,
-                   stride_vsn, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2,
-                   softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr,
+def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, k_desc, v_desc, PAGES, ks_base, vs_base, off_b,
+                   offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb,
+                   stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn,
+                   stride_vsb, stride_vsn, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold,
+                   slope2, softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr,
                    HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
                    HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, KV8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-                   HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr,
+                   WARP_SPECIALIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The forward's key blocks lo, lo + BLOCK_N, .. below hi (lo a multiple of BLOCK_N), all in the mask
     program's tile `state` (PROGRAM_FULL without a program): the row max, row sum and accumulator after them.
     With HAS_KPM only the keys of the span [span_first, span_end) are read, block table entries included.
+    With DESCRIPTORS, K and V are read through the descriptors k_desc and v_desc of the batch row's kv head
+    (`_rows_descriptor`; never a paged cache), else through pointers; WARP_SPECIALIZE asks Triton to split the
+    loop into warps that load and warps that compute (`tl.range`'s warp_specialize).
     An 8-bit cache (KV8) is dequantized as it is loaded (`_cache_values`); with TOKEN_SCALES the scales of each
     key (ks_base, vs_base: the kv head's) multiply its scores and its values, else the caller folded the
     sequence's into qk_scale and scales the accumulator."""
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < L_K
         load_ok = col_ok
         if HAS_KPM:  # the scores keep col_ok, the padding mask hides the rest: fewer registers than one mask
             load_ok = _in_span(offs_n, span_first, span_end)
-        k_rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
-        v_rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
-        k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
-                      mask=load_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        if DESCRIPTORS:
+            k_t = tl.trans(_descriptor_rows(k_desc, start_n, load_ok, HAS_KPM))
+        else:
+            k_rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
+            k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
+                          mask=load_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         key_scale = qk_scale
         if KV8:  # scores = (q . k8) * scale per key column
             k_t = _cache_values(k_t, q.dtype)
@@ -453,8 +497,12 @@ def _attn_fwd_keys(m_i, l_i, acc, lo, hi, state, q, k_base, v_base, PAGES, ks_ba
             # The sum above is of the undropped weights; the kept ones are scaled at the end.
             bits = _dropout_bits(RNG, drop_bh, drop_sequence, offs_m, start_n, BLOCK_N)
             p = tl.where(bits.to(tl.int64) >= drop_threshold, p, 0.0)
-        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
-                    mask=load_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if DESCRIPTORS:
+            v = _descriptor_rows(v_desc, start_n, load_ok, HAS_KPM)
+        else:
+            v_rows = _key_offsets(PAGES, off_b, offs_n, load_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
+            v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+                        mask=load_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         if KV8:
             v = _dequantized_values(v, q.dtype, vs_base, PAGES, off_b, offs_n, load_ok, stride_vsb, stride_vsn,
                                     stride_tb, PAGE_SIZE, _bits_factor(v_base), PAGED, TOKEN_SCALES)
@@ -481,8 +529,11 @@ def _attn_fwd(
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, PAGED: tl.constexpr,
     KV8: tl.constexpr, TOKEN_SCALES: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_PROGRAM: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
+    # With DESCRIPTORS (a config of its own among the autotuner's candidates on sm_90 and later), Q, K and V are read
+    # and O is written through tensor descriptors, TMA on the GPU, instead of pointers; every score is computed alike.
     # A flat grid (no 65535 limit on batch x heads); the last query blocks, which see the most keys
     # under a causal mask, are scheduled first.
     num_m = tl.cdiv(L_Q, BLOCK_M)
@@ -506,11 +557,18 @@ def _attn_fwd(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < L_Q
 
-    q_ptrs = (Q + off_b * stride_qb + off_h * stride_qh
-              + offs_m64[:, None] * stride_qm + offs_dqk[None, :] * stride_qd)
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
     k_base = K + off_hkv * stride_kh
     v_base = V + off_hkv * stride_vh
+    k_desc = k_base  # the descriptors, with DESCRIPTORS (unused otherwise)
+    v_desc = v_base
+    if DESCRIPTORS:
+        q = _rows_descriptor(q_base, L_Q, stride_qm, D_QK, BLOCK_M, BLOCK_DQK).load([pid_m * BLOCK_M, 0])
+        k_desc = _rows_descriptor(k_base + off_b * stride_kb, L_K, stride_kn, D_QK, BLOCK_N, BLOCK_DQK)
+        v_desc = _rows_descriptor(v_base + off_b * stride_vb, L_K, stride_vn, D_V, BLOCK_N, BLOCK_DV)
+    else:
+        q = tl.load(q_base + offs_m64[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
+                    mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_m64[:, None] * stride_mm
     kpm_base = KPM + off_b * stride_pb
     ks_base = KS + off_hkv * stride_ksh
@@ -553,20 +611,20 @@ def _attn_fwd(
             if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
                 m_i, l_i, acc = _attn_fwd_keys(
                     m_i, l_i, acc, tl.maximum(lo, tile_n), tl.minimum(hi, tile_n + PROGRAM_TILE), state, q, k_base,
-                    v_base, PAGES, ks_base, vs_base, off_b, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base,
-                    RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb, stride_vn,
-                    stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn, stride_vsb, stride_vsn, stride_mn,
-                    stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT,
-                    RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED, KV8,
-                    TOKEN_SCALES, HAS_PROGRAM, PRECISION, BLOCK_N)
+                    v_base, k_desc, v_desc, PAGES, ks_base, vs_base, off_b, offs_m, offs_dqk, offs_dv, row_ok,
+                    mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd, stride_vb,
+                    stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn, stride_vsb, stride_vsn,
+                    stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2, softcap2, DIAG,
+                    LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED, KV8,
+                    TOKEN_SCALES, HAS_PROGRAM, PRECISION, DESCRIPTORS, WARP_SPECIALIZE, BLOCK_N)
     else:
         m_i, l_i, acc = _attn_fwd_keys(
-            m_i, l_i, acc, lo, hi, PROGRAM_FULL, q, k_base, v_base, PAGES, ks_base, vs_base, off_b, offs_m, offs_dqk,
-            offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb, stride_kn, stride_kd,
-            stride_vb, stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn, stride_vsb, stride_vsn,
-            stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2, softcap2, DIAG, LEFT,
-            RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED, KV8, TOKEN_SCALES,
-            HAS_PROGRAM, PRECISION, BLOCK_N)
+            m_i, l_i, acc, lo, hi, PROGRAM_FULL, q, k_base, v_base, k_desc, v_desc, PAGES, ks_base, vs_base, off_b,
+            offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kb,
+            stride_kn, stride_kd, stride_vb, stride_vn, stride_vd, stride_tb, PAGE_SIZE, stride_ksb, stride_ksn,
+            stride_vsb, stride_vsn, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, slope2,
+            softcap2, DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, PAGED,
+            KV8, TOKEN_SCALES, HAS_PROGRAM, PRECISION, DESCRIPTORS, WARP_SPECIALIZE, BLOCK_N)
 
     if KV8:
         if not TOKEN_SCALES:
@@ -585,9 +643,13 @@ def _attn_fwd(
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     if HAS_SINKS:  # the sink alone: its logit exactly, not through base 2
         lse = tl.where(no_key, sink, lse)
-    o_ptrs = (O + off_b * stride_ob + off_h * stride_oh
-              + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    o_base = O + off_b * stride_ob + off_h * stride_oh
+    if DESCRIPTORS:
+        _rows_descriptor(o_base, L_Q, stride_om, D_V, BLOCK_M, BLOCK_DV).store([pid_m * BLOCK_M, 0],
+                                                                               out.to(O.dtype.element_ty))
+    else:
+        tl.store(o_base + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
     tl.store(LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, lse, mask=row_ok)
 
 
@@ -951,21 +1013,38 @@ KERNELS = {
 # Configurations
 # ---------------------------------------------------------------------------------------------------
 
+# Kernels with a tensor-descriptor variant (DESCRIPTORS and WARP_SPECIALIZE constexprs), and the devices that
+# run it: TMA, from Hopper on.
+DESCRIPTOR_KERNELS = ("fwd",)
+DESCRIPTOR_CAPABILITY = (9, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Tile sizes and launch options of one kernel; BLOCK_M tiles queries, BLOCK_N keys."""
+    """Tile sizes and launch options of one kernel; BLOCK_M tiles queries, BLOCK_N keys. For the kernels of
+    DESCRIPTOR_KERNELS also the variant: Q, K, V and O through tensor descriptors (`descriptors`), and its key
+    loop warp-specialized (`warp_specialize`, with descriptors only)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    descriptors: bool = False
+    warp_specialize: bool = False
 
     def __str__(self) -> str:
-        return f"BLOCK_M={self.block_m},BLOCK_N={self.block_n},warps={self.num_warps},stages={self.num_stages}"
+        text = f"BLOCK_M={self.block_m},BLOCK_N={self.block_n},warps={self.num_warps},stages={self.num_stages}"
+        return text + ",descriptors" * self.descriptors + ",warp_specialized" * self.warp_specialize
 
-    def triton_config(self) -> triton.Config:
-        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n},
-                             num_warps=self.num_warps, num_stages=self.num_stages)
+    def constexprs(self, kernel: str) -> dict:
+        """The config's constexpr arguments of `kernel`."""
+        values = {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+        if kernel in DESCRIPTOR_KERNELS:
+            values.update(DESCRIPTORS=self.descriptors, WARP_SPECIALIZE=self.warp_specialize)
+        return values
+
+    def triton_config(self, kernel: str) -> triton.Config:
+        return triton.Config(self.constexprs(kernel), num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 # Defaults by kernel, GPU generation (the sm_80 table below compute capability 9, the sm_90 one from 9
@@ -1062,7 +1141,9 @@ _PROGRAM_DEFAULTS = {
 # table), then the features a launch has all of (the first entry that matches): SCORES is a softcap, ALiBi or key
 # padding, the others constexprs of the kernels.
 _BLACKWELL_DEFAULTS = {
-    ("fwd", 64): ((("SCORES",), _K(128, 32, 4, 3)), (("KV8",), _K(128, 32, 4, 3))),  # sm_90's (128, 64, 4, 3) spills
+    # sm_90's (128, 64, 4, 3) spills; with a program and dropout, (128, 32, 8, 3)'s descriptor variant does.
+    ("fwd", 64): ((("SCORES",), _K(128, 32, 4, 3)), (("KV8",), _K(128, 32, 4, 3)),
+                  (("HAS_PROGRAM", "HAS_DROPOUT"), _K(128, 32, 4, 3))),
     ("bwd_dkdv", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(16, 64, 4, 2)),),  # (32, 64, 4, 2) spills
     ("bwd_dkdv", 128): ((("HAS_MASK_GRAD", "HAS_DROPOUT", "SCORES"), _K(16, 64, 4, 2)),),  # (16, 64, 8, 2) spills
     ("bwd_dq", 64): ((("VARLEN", "HAS_DROPOUT"), _K(64, 32, 4, 2)),),  # (64, 64, 4, 2) spills
@@ -1497,8 +1578,12 @@ def autotune_key(kernel: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _autotuned(kernel: str):
-    """`kernel` autotuned over its candidates, keyed on the problem, pruned to what fits the device."""
+def _autotuned(kernel: str, descriptors: bool = False):
+    """`kernel` autotuned over its candidates, keyed on the problem, pruned to what fits the device; with
+    `descriptors` (calls the tensor-descriptor variant can serve, `descriptor_refusals`) also over that variant
+    of each candidate kept, and the default's warp-specialized where Triton offers it, or over those alone
+    (FUSED_ATTN_TRITON_DESCRIPTORS=1). Calls it cannot serve have an autotuner of their own: their choice is
+    never the cached choice of one it can."""
     candidates = _candidates(kernel)
 
     def prune(configs, named_args, **constexprs):
@@ -1510,27 +1595,141 @@ def _autotuned(kernel: str):
         near = [c for c in fitting if c.block_m * c.block_n <= 2 * default.block_m * default.block_n
                 and (head_dim < 256 or c.num_stages <= 2)]
         chosen = [default] + [c for c in near if c != default]
-        return [c.triton_config() for c in chosen]
+        if descriptors:
+            variants = [dataclasses.replace(c, descriptors=True) for c in chosen]
+            if triton_compat.warp_specialization() and warp_specializable(constexprs):
+                variants.append(dataclasses.replace(default, descriptors=True, warp_specialize=True))
+            chosen = variants if descriptor_mode() == "on" else chosen + variants
+        return [c.triton_config(kernel) for c in chosen]
 
     # The autotuner adds the tensors' dtypes; the constexprs must be named, or a config tuned for
     # one head dim would be reused for another.
-    return triton.autotune(configs=[c.triton_config() for c in candidates], key=autotune_key(kernel),
+    return triton.autotune(configs=[c.triton_config(kernel) for c in candidates], key=autotune_key(kernel),
                            prune_configs_by={"early_config_prune": prune})(KERNELS[kernel])
 
 
-def _launch(kernel: str, programs_along, args, constexprs, tensor):
-    """Runs `kernel`: autotuned on a GPU, at its default config in the interpreter."""
+# Launch features under which the warp-specialized forward spills registers on sm_100 (bench/triton_report.py: the
+# score variants with key padding, and mask programs, by hundreds of local loads), or which the report does not
+# compile it with (masks, paged caches): the autotuner offers it only without them.
+NOT_WARP_SPECIALIZED = ("SOFTCAP", "HAS_ALIBI", "HAS_KPM", "HAS_SINKS", "HAS_PROGRAM", "PAGED", "MASK_KIND")
+
+
+def warp_specializable(constexprs: dict) -> bool:
+    return not any(constexprs.get(name) for name in NOT_WARP_SPECIALIZED)
+
+
+DESCRIPTORS_VARIABLE = "FUSED_ATTN_TRITON_DESCRIPTORS"
+_DESCRIPTOR_MODES = {"": "auto", "auto": "auto", "1": "on", "0": "off"}
+
+
+def descriptor_mode() -> str:
+    """FUSED_ATTN_TRITON_DESCRIPTORS: "auto" (unset) makes the forward's tensor-descriptor variant extra autotuning
+    candidates on devices of DESCRIPTOR_CAPABILITY, pointers running elsewhere, at fixed configs and in the
+    interpreter; "1" ("on") runs the variant in every forward launch it can serve (the interpreter's tests of it);
+    "0" ("off") never."""
+    value = os.environ.get(DESCRIPTORS_VARIABLE, "").strip().lower()
+    if value not in _DESCRIPTOR_MODES:
+        raise ValueError(f"{DESCRIPTORS_VARIABLE}: expected 0, 1 or auto, got {value!r}")
+    return _DESCRIPTOR_MODES[value]
+
+
+# Why the tensor-descriptor variant stopped being a candidate in this process: Triton failed to compile it.
+_descriptor_failure: list[str] = []
+
+
+def _layout_refusal(name: str, tensor: torch.Tensor, unit: int) -> str | None:
+    """Why a (B, H, L, D) tensor cannot be read or written through descriptors of its (L, D) matrices, or None: a
+    descriptor's last stride is 1, its row stride and base address multiples of `unit` bytes (each matrix's base
+    is the tensor's plus whole batch and head strides)."""
+    if tensor.shape[3] > 1 and tensor.stride(3) != 1:
+        return f"{name}: stride {tensor.stride(3)} along the head dim, not 1"
+    size = tensor.element_size()
+    steps = [tensor.stride(2)] + [tensor.stride(d) for d in (0, 1) if tensor.shape[d] > 1]
+    if any(stride * size % unit for stride in steps) or tensor.data_ptr() % unit:
+        return (f"{name}: strides {tuple(tensor.stride())} of {size}-byte elements or address not multiples of "
+                f"{unit} bytes")
+    return None
+
+
+# What a descriptor of a (batch row, head)'s matrix cannot serve.
+PAGED_REFUSAL = "a paged cache: its keys are gathered through the block table, not rows of one matrix"
+PACKED_REFUSAL = "a packed batch: a sequence may be empty, and a TMA descriptor needs at least one row"
+
+
+def descriptors_unavailable(device: torch.device) -> str | None:
+    """Why no call on `device` can run the tensor-descriptor variant, or None: the installed Triton, the device
+    (TMA from DESCRIPTOR_CAPABILITY on; the interpreter runs them anywhere), an earlier failure to compile it."""
+    if _descriptor_failure:
+        return _descriptor_failure[0]
+    if (missing := triton_compat.tensor_descriptors()) is not None:
+        return missing
+    if device.type == "cuda" and not interpreting():
+        capability, _ = _device_limits(device.index if device.index is not None else torch.cuda.current_device())
+        if capability < DESCRIPTOR_CAPABILITY:
+            return (f"tensor descriptors (TMA) need compute capability 9.0 or newer, got "
+                    f"{capability[0]}.{capability[1]}")
+    return None
+
+
+def descriptor_refusals(tensors: dict[str, torch.Tensor], pages: Pages | None = None,
+                        sequences: Sequences | None = None) -> list[str]:
+    """Why a kernel cannot read and write `tensors` ({name: (B, H, L, D) tensor}, e.g. the forward's query, key,
+    value and out) through tensor descriptors (`_rows_descriptor`) in this call (empty: it can):
+    `descriptors_unavailable`, what a descriptor cannot follow, and each tensor's layout (`_layout_refusal`).
+    Everything else (masks, padding, dropout, ALiBi, sinks, mask programs) is read through pointers in both
+    variants."""
+    first = next(iter(tensors.values()))
+    reasons = []
+    if (unavailable := descriptors_unavailable(first.device)) is not None:
+        reasons.append(unavailable)
+    if pages is not None:
+        reasons.append(PAGED_REFUSAL)
+    if sequences is not None:
+        reasons.append(PACKED_REFUSAL)
+    unit = triton_compat.descriptor_stride_unit(first.element_size(), interpreting())
+    for name, tensor in tensors.items():
+        if (refusal := _layout_refusal(name, tensor, unit)) is not None:
+            reasons.append(refusal)
+    return reasons
+
+
+def _launch(kernel: str, programs_along, args, constexprs, tensor, descriptors: bool = False):
+    """Runs `kernel`: autotuned on a GPU, at its default config in the interpreter. `descriptors`: the call can run
+    the kernel's tensor-descriptor variant (`descriptor_refusals` found nothing), which FUSED_ATTN_TRITON_DESCRIPTORS
+    governs (`descriptor_mode`); a forced config of that variant falls back to pointers where the call cannot."""
+    mode = descriptor_mode()
+    descriptors = descriptors and mode != "off"
     if tensor.device.type == "cuda" and _autotune_enabled() and not interpreting() and kernel not in _forced:
         def grid(meta):
             return (programs_along(meta["BLOCK_M"], meta["BLOCK_N"]),)
+        if descriptors:
+            try:
+                with triton_compat.scratch_allocator(tensor.device):
+                    _autotuned(kernel, True)[grid](*args, **constexprs)
+                return
+            except (triton.CompilationError, RuntimeError) as error:  # a Triton that cannot build the variant
+                if isinstance(error, torch.OutOfMemoryError):
+                    raise
+                lines = str(error).strip().splitlines() or [""]
+                _descriptor_failure.append(f"triton could not build the descriptor variant "
+                                           f"({type(error).__name__}: {lines[0]})")
+                logger.warning("fused_attn: %s; the triton forward runs through pointers from now on",
+                               _descriptor_failure[0])
         _autotuned(kernel)[grid](*args, **constexprs)
         return
     config = _default_for(kernel, tensor, constexprs)
+    if descriptors and mode == "on":
+        config = dataclasses.replace(config, descriptors=True)
+    elif config.descriptors and not descriptors:
+        config = dataclasses.replace(config, descriptors=False, warp_specialize=False)
     if not _fits_program(config, constexprs):  # a forced config: the defaults all fit
         raise ValueError(f"{kernel}: {config} has blocks larger than a mask program's tiles ({masks.TILE})")
     grid = (programs_along(config.block_m, config.block_n),)
-    KERNELS[kernel][grid](*args, **constexprs, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                          num_warps=config.num_warps, num_stages=config.num_stages)
+    scratch = triton_compat.scratch_allocator(tensor.device) if config.descriptors and tensor.device.type == "cuda" \
+        else contextlib.nullcontext()
+    with scratch:
+        KERNELS[kernel][grid](*args, **constexprs, **config.constexprs(kernel), num_warps=config.num_warps,
+                              num_stages=config.num_stages)
 
 
 def _on_device(tensor: torch.Tensor):
@@ -1564,8 +1763,13 @@ def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, o
                                     out, lse, dropout, variant, sequences, pages)
     batch, heads_q = query.shape[:2]
     len_q = query.shape[2] if sequences is None else sequences.max_seqlen_q
+    refusals = descriptor_refusals(dict(query=query, key=key, value=value, out=out), pages, sequences)
+    if refusals and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("fused_attn: the triton forward's descriptor variant cannot serve this call: %s",
+                     "; ".join(refusals))
     with _on_device(query):
-        _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
+        _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query,
+                descriptors=not refusals)
 
 
 def backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, lse, grad_out,
