@@ -1193,7 +1193,9 @@ def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, bl
     The streamed operand tiles are buffered `num_stages` deep; the resident tile and the
     probabilities (or dS) routed through shared memory to the second product count once. Dropout
     adds one tile of 32-bit random integers, whose four interleaved Philox outputs are laid out
-    again through shared memory.
+    again through shared memory. The backward kernels count one more (keys, D_qk) tile: on sm_100, whose
+    tcgen05 products read both operands from shared memory, they take up to 13% more than the rest
+    (bench/triton_report.py).
     """
     m, n, stages = config.block_m, config.block_n, max(1, config.num_stages)
     if kernel in ("fwd", "bwd_dq"):
@@ -1202,6 +1204,8 @@ def shared_memory_estimate(kernel: str, config: KernelConfig, block_dqk: int, bl
     else:
         streamed = m * (block_dqk + block_dv)
         resident = n * (block_dqk + block_dv) + 2 * m * n
+    if kernel != "fwd":
+        resident += n * block_dqk
     return (stages * streamed + resident) * element_size + (4 * m * n if dropout else 0)
 
 
