@@ -17,6 +17,13 @@ UTCHMMA — Blackwell's tcgen05.mma on fp16/bf16 operands — on sm_100; the dec
 warp-level HMMA on both). Shared memory is Triton's dynamic allocation from the kernel metadata plus any
 static shared memory.
 
+The forward's tensor-descriptor variant (`triton_kernels` DESCRIPTORS: Q, K, V and O through
+`tl.make_tensor_descriptor`) has rows of its own for sm_90 and sm_100, plain and warp-specialized ("fwd_desc",
+"fwd_desc_ws"), over what it serves (no packed batch, no paged cache); they add the TMA instructions of the
+SASS (UTMALDG loads must be there, UTMASTG stores), the global scratch memory the descriptors take per program,
+whether Triton split the key loop into warp-specialized partitions (its TTGIR holds `ttg.warp_specialize`) and
+the warps a launch then takes.
+
 The kernels are specialised exactly as a launch would specialise them (the JIT's own routine, found
 by `fused_attn.backends.triton_compat`) for a representative call: (B, L, H, D) tensors as
 `split_heads_attention` passes them, without masks, H_q == H_kv.
@@ -26,11 +33,13 @@ runs it in a child process with TRITON_INTERPRET unset and TRITON_CACHE_DIR in a
 
     python -m bench.triton_report            # table
     python -m bench.triton_report --json     # one JSON object per (kernel, target, config)
+    python -m bench.triton_report --targets sm_100 --kernels fwd_desc fwd_desc_ws   # a part of it
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -67,9 +76,24 @@ def config_arch(target: str) -> str:
 
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
-KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "decode_combine")
+# The forward's tensor-descriptor variants (triton_kernels.DESCRIPTOR_KERNELS), as report rows of their own: the
+# forward kernel at its default config with Q, K, V and O through tensor descriptors ("fwd_desc"), and with its key
+# loop warp-specialized too ("fwd_desc_ws"), compiled for the targets with TMA. Their SASS must hold TMA loads
+# (UTMALDG).
+DESCRIPTOR_VARIANTS = {"fwd_desc": dict(descriptors=True), "fwd_desc_ws": dict(descriptors=True, warp_specialize=True)}
+DESCRIPTOR_TARGETS = ("sm_90", "sm_100")
+# The operation of Triton's GPU dialect holding the partitions of a warp-specialized loop.
+WARP_SPECIALIZE_OP = re.compile(r"\bttg\.warp_specialize\b")
+KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "decode_combine", *DESCRIPTOR_VARIANTS)
 # Kernels whose work is matrix products; the preprocess and the decode combine are row-wise reductions.
-MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode")
+MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", *DESCRIPTOR_VARIANTS)
+
+
+def kernels(target: str) -> tuple[str, ...]:
+    """The kernels compiled for `target`: all, but the descriptor variants only where TMA is."""
+    return tuple(k for k in KERNELS if k not in DESCRIPTOR_VARIANTS or target in DESCRIPTOR_TARGETS)
+
+
 # Kernels launched at a fixed config rather than a default of triton_kernels' tables.
 FIXED_CONFIG = "BLOCK_M={block_m},{block_n}warps={warps},stages={stages}"
 # (causal, dropout, bias_grad, scores) variants of the kernels with products; the preprocess depends on
@@ -102,6 +126,10 @@ PROGRAM_VARIANTS = ((True, False, False, PROGRAM), (True, True, False, PROGRAM))
 
 
 def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
+    if kernel == "fwd_desc_ws":  # what the autotuner offers it for (triton_kernels.warp_specializable)
+        return VARIANTS[:3]
+    if kernel in DESCRIPTOR_VARIANTS:  # what a descriptor serves: no packed batch, no paged cache
+        return (*VARIANTS[:4], *PROGRAM_VARIANTS)
     if kernel == "bwd_dkdv":
         return (*VARIANTS, (True, True, True, False), (True, True, True, True), *PROGRAM_VARIANTS)
     if kernel == "decode":  # no dropout (calls with dropout take the long-query kernels), no packing
@@ -115,7 +143,7 @@ def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     return ((False, False, False, False), (False, False, False, PACKED))
 
 
-def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1800) -> list[dict]:
+def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, timeout=1800) -> list[dict]:
     """One dict per (kernel, target, dtype, head dim, causal, dropout, bias_grad, scores): resources,
     instructions, verdict.
 
@@ -128,7 +156,8 @@ def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, timeout=1
         env.update(TRITON_CACHE_DIR=cache, TRITON_DEFAULT_FP_FUSION="1")
         root = Path(__file__).resolve().parent.parent
         children = [subprocess.Popen([sys.executable, "-m", "bench.triton_report", "--json", "--targets", target,
-                                      "--dtypes", *dtypes, "--head-dims", *(str(d) for d in head_dims)],
+                                      "--dtypes", *dtypes, "--head-dims", *(str(d) for d in head_dims),
+                                      "--kernels", *only],
                                      env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     for target in targets]
         rows = []
@@ -178,8 +207,6 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     """(kernel fn, args, constexprs, fixed config or None, dtype) for one report row on `target`: the preprocess
     and the decode kernels come with their fixed (text, options); the other kernels take their default
     one in `_compile_row`."""
-    import dataclasses
-
     import torch
     from fused_attn import masks
     from fused_attn.backends import triton_decode
@@ -251,9 +278,13 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
                                                           variant)
             fixed = _fixed(constexprs, triton_decode.COMBINE_WARPS, 1, block_n=False)
         return triton_decode.KERNELS[kernel], args, constexprs, fixed, dtype
-    if kernel == "fwd":
+    if kernel == "fwd" or kernel in DESCRIPTOR_VARIANTS:
         args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant, sequences,
                                            pages)
+        served = dict(query=q, key=k, value=v, out=out)
+        if kernel in DESCRIPTOR_VARIANTS and (refusals := tk.descriptor_refusals(served, pages, sequences)):
+            raise ValueError(f"{kernel}: the representative call is one it cannot serve: {refusals}")
+        return tk.KERNELS["fwd"], args, constexprs, None, dtype
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta, sequences)
         return tk.KERNELS[kernel], args, constexprs, _fixed(constexprs, tk.PREPROCESS_WARPS, 1, block_n=False), dtype
@@ -278,12 +309,14 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
         return int(found.group(1)) if found else 0
 
     opcodes = gpu_binaries.SASS_INSTRUCTION.findall(sass)
-    tensor_core = {}
+    tensor_core, tma = {}, {}
     local_accesses = 0
     for opcode in opcodes:
         base = opcode.split(".")[0]
         if "MMA" in base:  # HMMA, HGMMA, IMMA, and Blackwell's UTC*MMA (tcgen05.mma)
             tensor_core[opcode] = tensor_core.get(opcode, 0) + 1
+        if base.startswith("UTMA"):  # the tensor memory accelerator: UTMALDG loads, UTMASTG stores, ...
+            tma[base] = tma.get(base, 0) + 1
         if base in ("LDL", "STL"):
             local_accesses += 1
     row = {
@@ -292,6 +325,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
         "stack_bytes": field("STACK"),
         "shared_bytes": int(metadata.get("shared", 0)) + field("SHARED"),
         "tensor_core_instructions": tensor_core,
+        "tma_instructions": tma,
         "instructions": len(opcodes),
     }
     problems = gpu_binaries.resource_problems(target, row["spill_bytes"], row["stack_bytes"], row["shared_bytes"],
@@ -301,6 +335,8 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
     prefix = tensor_core_prefix(kernel, target)
     if needs_tensor_cores and not any(op.split(".")[0] == prefix for op in tensor_core):
         problems.append(f"no {prefix} instructions (found {sorted(tensor_core) or 'none'})")
+    if kernel in DESCRIPTOR_VARIANTS and "UTMALDG" not in tma:
+        problems.append(f"no TMA loads (UTMALDG; found {sorted(tma) or 'none'})")
     row["problems"] = problems
     return row
 
@@ -315,9 +351,11 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     fn, args, constexprs, fixed, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
                                                               dropout, bias_grad, scores, target)
     if fixed is None:
-        config = tk.default_config(kernel, config_arch(target), tk.padded_head_dim(head_dim), dtype.itemsize,
+        base = "fwd" if kernel in DESCRIPTOR_VARIANTS else kernel
+        config = tk.default_config(base, config_arch(target), tk.padded_head_dim(head_dim), dtype.itemsize,
                                    constexprs)
-        constexprs = dict(constexprs, **config.constexprs(kernel))
+        config = dataclasses.replace(config, **DESCRIPTOR_VARIANTS.get(kernel, {}))
+        constexprs = dict(constexprs, **config.constexprs(base))
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)
     else:
@@ -332,7 +370,8 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     except Exception as error:  # a config that does not compile is a reported failure, not a crash
         message = str(error).strip().splitlines()
         return dict(row, registers=0, spill_bytes=0, stack_bytes=0, shared_bytes=0,
-                    tensor_core_instructions={}, fits=False,
+                    tensor_core_instructions={}, tma_instructions={}, global_scratch_bytes=0, warp_specialized=False,
+                    launch_warps=0, fits=False,
                     problems=[f"does not compile: {type(error).__name__}: {message[-1] if message else ''}"])
     with tempfile.TemporaryDirectory() as scratch:
         cubin = Path(scratch) / f"{kernel}.cubin"
@@ -341,15 +380,21 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
         # fp32 products in full precision ("ieee", PyTorch's default) run on FMA units by design.
         exact_fp32 = constexprs.get("PRECISION") == "ieee" and dtype_name == "float32"
         row.update(_inspect(cubin, metadata, target, kernel in MATMUL_KERNELS and not exact_fp32, kernel))
+    # Global memory each program needs at launch (tensor descriptors made on the device), from the allocator.
+    row["global_scratch_bytes"] = int(getattr(compiled.metadata, "global_scratch_size", 0) or 0)
+    # Whether Triton split a loop into warp-specialized partitions (its TTGIR holds the op), and the warps the
+    # launch then takes: num_warps plus the partitions'.
+    row["warp_specialized"] = WARP_SPECIALIZE_OP.search(compiled.asm.get("ttgir", "")) is not None
+    row["launch_warps"] = int(compiled.metadata.num_warps)
     row["fits"] = not row["problems"]
     return row
 
 
-def _rows(targets, dtypes, head_dims):
+def _rows(targets, dtypes, head_dims, only=KERNELS):
     for target in targets:
         for dtype_name in dtypes:
             for head_dim in head_dims:
-                for kernel in KERNELS:
+                for kernel in (k for k in kernels(target) if k in only):
                     for variant in variants(kernel):
                         yield _compile_row(kernel, target, dtype_name, head_dim, *variant)
 
@@ -360,14 +405,16 @@ def main(argv=None) -> int:
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=[*DTYPES, "float32"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
+                        help="only these kernels (each on the targets it is compiled for)")
     options = parser.parse_args(argv)
     if options.json:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             parser.error("--json compiles for the GPU: unset TRITON_INTERPRET")
-        for row in _rows(options.targets, options.dtypes, options.head_dims):
+        for row in _rows(options.targets, options.dtypes, options.head_dims, options.kernels):
             print(json.dumps(row), flush=True)
         return 0
-    rows = report(options.targets, options.dtypes, options.head_dims)
+    rows = report(options.targets, options.dtypes, options.head_dims, options.kernels)
     print(format_table(rows))
     return 0 if all(r["fits"] for r in rows) else 1
 

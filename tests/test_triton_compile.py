@@ -8,13 +8,16 @@ and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decod
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
 sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for the decode kernel's 16-row tiles), and shared memory fits
-the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The rows are the triton rows
-of `python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of
-conftest.py; 444 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
+the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The forward's tensor-descriptor variant, plain and
+warp-specialized, is compiled for sm_90 and sm_100 too, and its SASS must hold TMA loads (UTMALDG), which no
+pointer kernel has. The rows are the triton rows of `python -m bench.inspect --json`, run once per test session
+(the `static_gpu_report` fixture of conftest.py; 516 Triton compilations, beside the CUDA report that
+tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -31,11 +34,13 @@ except gpu_binaries.ToolMissing as missing:
 
 COMBINATIONS = [
     (kernel, target, dtype, head_dim, *variant)
-    for kernel, target, dtype, head_dim in itertools.product(
-        triton_report.KERNELS, triton_report.TARGETS, triton_report.DTYPES, triton_report.HEAD_DIMS)
+    for target, dtype, head_dim in itertools.product(triton_report.TARGETS, triton_report.DTYPES,
+                                                     triton_report.HEAD_DIMS)
+    for kernel in triton_report.kernels(target)
     for variant in triton_report.variants(kernel)
 ]
 KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "dropout", "bias_grad", "scores", "config",
+        "tma_instructions", "global_scratch_bytes", "warp_specialized", "launch_warps",
         "registers",
         "spill_bytes", "stack_bytes", "shared_bytes", "tensor_core_instructions", "fits", "problems"}
 
@@ -71,6 +76,10 @@ def test_default_config_compiles_within_the_device(rows, combination):
         assert triton_report.tensor_core_prefix(kernel, target) in mnemonics, row["tensor_core_instructions"]
     else:
         assert not mnemonics  # the preprocess is a reduction: no products
+    if kernel in triton_report.DESCRIPTOR_VARIANTS:  # Q, K, V through TMA; the pointer kernels have none
+        assert row["tma_instructions"].get("UTMALDG", 0) > 0, row["tma_instructions"]
+    else:
+        assert not row["tma_instructions"], row["tma_instructions"]
 
 
 def test_inspection_flags_spills_and_missing_tensor_cores(tmp_path, monkeypatch):
@@ -103,12 +112,15 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
     from fused_attn.backends import triton_kernels as tk
 
     for (kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores), row in rows.items():
-        if kernel not in triton_report.MATMUL_KERNELS or kernel not in tk.KERNELS:  # decode: a fixed config
+        base = "fwd" if kernel in triton_report.DESCRIPTOR_VARIANTS else kernel
+        if kernel not in triton_report.MATMUL_KERNELS or base not in tk.KERNELS:  # decode: a fixed config
             continue
-        features = dict(HAS_DROPOUT=dropout, HAS_MASK_GRAD=bias_grad, VARLEN=scores == triton_report.PACKED,
-                        HAS_PROGRAM=scores == triton_report.PROGRAM)
-        config = tk.default_config(kernel, triton_report.config_arch(target), head_dim, 2, features)
+        # The launch's own constexprs: the tiles can depend on any feature (sm_100's on the score variants too).
+        _, _, features, _, _ = triton_report._representative_call(kernel, dtype, head_dim, causal, dropout, bias_grad,
+                                                                  scores, target)
+        config = tk.default_config(base, triton_report.config_arch(target), head_dim, 2, features)
+        config = dataclasses.replace(config, **triton_report.DESCRIPTOR_VARIANTS.get(kernel, {}))
         assert str(config) == row["config"]
-        estimate = tk.shared_memory_estimate(kernel, config, head_dim, head_dim, 2, dropout)
+        estimate = tk.shared_memory_estimate(base, config, head_dim, head_dim, 2, dropout)
         assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,
                                                  scores)
