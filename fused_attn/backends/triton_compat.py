@@ -89,11 +89,20 @@ def tensor_descriptors() -> str | None:
     return None
 
 
+# The oldest release whose warp-specialized forward compiles without spills for every launch it is offered for
+# (bench/triton_report.py): 3.9.0. On 3.7.1 the causal one spilled on sm_100 (7 to 9 local loads/stores);
+# 3.8 has not been compiled.
+WARP_SPECIALIZED_FROM = (3, 9)
+
+
 def warp_specialization() -> bool:
-    """Whether `tl.range` takes warp_specialize (automatic warp specialization of a loop)."""
+    """Whether the forward's warp-specialized variant is offered: `tl.range` takes warp_specialize (automatic warp
+    specialization of a loop) and the release is WARP_SPECIALIZED_FROM or newer."""
     import triton.language as tl
 
-    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+    found = release()
+    return ("warp_specialize" in inspect.signature(tl.range.__init__).parameters and found is not None
+            and found >= WARP_SPECIALIZED_FROM)
 
 
 def descriptor_stride_unit(element_size: int, interpreting: bool) -> int:
