@@ -90,11 +90,12 @@ MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", *DESCRIPTOR_VARIANTS)
 
 
 def kernels(target: str) -> tuple[str, ...]:
-    """The kernels compiled for `target`: all, but the descriptor variants only where TMA is, and the
-    warp-specialized one only with a Triton that offers it (triton_compat.warp_specialization)."""
+    """The kernels compiled for `target`: all, but the descriptor variants only where TMA is and with a Triton
+    that offers them (triton_compat.tensor_descriptors, warp_specialization)."""
     from fused_attn.backends import triton_compat
 
-    offered = [k for k in KERNELS if k != "fwd_desc_ws" or triton_compat.warp_specialization()]
+    offered = [k for k in KERNELS if (k not in DESCRIPTOR_VARIANTS or triton_compat.tensor_descriptors() is None)
+               and (k != "fwd_desc_ws" or triton_compat.warp_specialization())]
     return tuple(k for k in offered if k not in DESCRIPTOR_VARIANTS or target in DESCRIPTOR_TARGETS)
 
 

@@ -32,6 +32,7 @@ from fused_attn.scores import ScoreVariant, sink_gradient
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
+from fused_attn.backends import triton_compat  # noqa: E402
 from fused_attn.backends import triton_kernels as tk  # noqa: E402
 from fused_attn.backends.triton import TritonBackend  # noqa: E402
 
@@ -1317,6 +1318,9 @@ def test_default_configs_fit_their_generation(kernel):
 # sm_90 and later), forced by FUSED_ATTN_TRITON_DESCRIPTORS=1 where a call's layouts allow it
 # ---------------------------------------------------------------------------------------------------
 
+# The tests that need the variant offered by the installed Triton (triton_compat.DESCRIPTORS_FROM).
+needs_descriptors = pytest.mark.skipif(triton_compat.tensor_descriptors() is not None,
+                                       reason=str(triton_compat.tensor_descriptors()))
 # Layouts a descriptor reads: unit stride along D, the other strides multiples of 16 bytes when D's are.
 DESCRIPTOR_LAYOUTS = ("contiguous", "heads_inner", "seq_first")
 # Every case of the pointer kernels' tests (plain, score variants, sinks, mask programs; the decode cases too, with
@@ -1384,17 +1388,18 @@ def test_descriptor_forward_matches_reference(name, dtype, rotation, generator, 
     testing.check_inputs(results, inputs)
 
 
+@needs_descriptors
 def test_descriptor_forward_serves_most_cases(generator):
-    """The matrix above runs the descriptor variant for most of its cases, not the fallback (Triton 3.5's
-    interpreter, which wants strides of 16 elements, refuses the most: a fifth)."""
+    """The matrix above runs the descriptor variant for most of its cases, not the fallback."""
     served = []
     for name, case in DESCRIPTOR_CASES.items():
         inputs = descriptor_inputs(case, torch.float16, 0, generator)
         if not tk.descriptor_refusals(forward_tensors(inputs)):
             served.append(name)
-    assert len(served) >= 0.75 * len(DESCRIPTOR_CASES), sorted(set(DESCRIPTOR_CASES) - set(served))
+    assert len(served) >= 0.8 * len(DESCRIPTOR_CASES), sorted(set(DESCRIPTOR_CASES) - set(served))
 
 
+@needs_descriptors
 def test_descriptor_refusals_name_each_reason(generator):
     q = torch.randn(2, 2, 40, 16, generator=generator).to(torch.float16).to(DEVICE)
     assert tk.descriptor_refusals(dict(query=q, key=q, value=q, out=q)) == []
@@ -1459,6 +1464,7 @@ def test_autotune_offers_the_descriptor_variant_beside_pointers(mode, monkeypatc
     assert not any(c.kwargs["WARP_SPECIALIZE"] for c in scored)
 
 
+@needs_descriptors
 @pytest.mark.parametrize("capability, varlen, expected", [
     ((9, 0), False, "also tries Q, K, V and O through tensor descriptors"),
     ((10, 0), False, "also tries Q, K, V and O through tensor descriptors"),

@@ -78,14 +78,24 @@ def specializer():
     return lambda arg: native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
+# The oldest release whose descriptor forward compiles without spills for every launch it is offered for
+# (bench/triton_report.py): 3.7.1 and 3.9.0 do; on 3.5.1 the sm_90 build at D = 64 with the score variants and key
+# padding spilled (6 local loads/stores); 3.6 has not been compiled.
+DESCRIPTORS_FROM = (3, 7)
+
+
 def tensor_descriptors() -> str | None:
-    """Why the installed Triton has no tensor descriptors made on the device (`tl.make_tensor_descriptor`), or None."""
+    """Why the forward's tensor-descriptor variant is not offered with the installed Triton, or None: it has no
+    tensor descriptors made on the device (`tl.make_tensor_descriptor`), or is older than DESCRIPTORS_FROM."""
     import triton.language as tl
 
+    found = release()
+    name = f"triton {found[0]}.{found[1]}" if found else "the installed triton"
     if not hasattr(tl, "make_tensor_descriptor"):
-        found = release()
-        name = f"triton {found[0]}.{found[1]}" if found else "the installed triton"
         return f"{name} has no tl.make_tensor_descriptor"
+    if found is not None and found < DESCRIPTORS_FROM:
+        return (f"{name}: the descriptor forward is offered from triton {DESCRIPTORS_FROM[0]}.{DESCRIPTORS_FROM[1]} on "
+                f"(it spilled registers on {name})")
     return None
 
 
@@ -103,15 +113,6 @@ def warp_specialization() -> bool:
     found = release()
     return ("warp_specialize" in inspect.signature(tl.range.__init__).parameters and found is not None
             and found >= WARP_SPECIALIZED_FROM)
-
-
-def descriptor_stride_unit(element_size: int, interpreting: bool) -> int:
-    """The bytes every stride of a tensor descriptor but the last (and its base address) must be a multiple of:
-    16, as TMA requires. Triton 3.5's interpreter checks 16 elements instead (a fault of its validation, fixed
-    in 3.6), so there the kernels keep to 16 elements."""
-    if interpreting and release() == (3, 5):
-        return 16 * element_size
-    return 16
 
 
 @contextlib.contextmanager

@@ -70,9 +70,11 @@ The variant is an extra autotuning candidate on devices of DESCRIPTOR_CAPABILITY
 never the only one, for calls whose layouts TMA can read and that it serves (`descriptor_refusals`: a paged cache
 and packed batches keep pointers); if Triton cannot compile it, the forward goes back to pointers for the process.
 FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it wherever it serves a call (the interpreter's tests), =0 never
-(`descriptor_mode`). Descriptors made on the device take global scratch memory, 128 bytes each per program
-(the static report reads the kernel's), which triton_compat.scratch_allocator gives from torch's allocator. They have not run on a GPU here: the interpreter
-checks them and the static report compiles them for sm_90 and sm_100 (bench/triton_report.py).
+(`descriptor_mode`). It is offered from Triton 3.7 on, its warp-specialized form from 3.9 on (the releases where
+the static report compiles them without spills; triton_compat). Descriptors made on the device take global
+scratch memory, 128 bytes each per program, which triton_compat.scratch_allocator gives from torch's allocator.
+They have not run on a GPU here: the interpreter checks them and the static report compiles them for sm_90 and
+sm_100 (bench/triton_report.py).
 
 Precision of fp32 inputs on a GPU: the two matrix products per tile follow
 `torch.backends.cuda.matmul.allow_tf32`, as `torch.matmul` does for PyTorch users: TF32 tensor cores
@@ -1641,17 +1643,16 @@ def descriptor_mode() -> str:
 _descriptor_failure: list[str] = []
 
 
-def _layout_refusal(name: str, tensor: torch.Tensor, unit: int) -> str | None:
+def _layout_refusal(name: str, tensor: torch.Tensor) -> str | None:
     """Why a (B, H, L, D) tensor cannot be read or written through descriptors of its (L, D) matrices, or None: a
-    descriptor's last stride is 1, its row stride and base address multiples of `unit` bytes (each matrix's base
-    is the tensor's plus whole batch and head strides)."""
+    descriptor's last stride is 1, its row stride and base address multiples of 16 bytes (each matrix's base is
+    the tensor's plus whole batch and head strides)."""
     if tensor.shape[3] > 1 and tensor.stride(3) != 1:
         return f"{name}: stride {tensor.stride(3)} along the head dim, not 1"
     size = tensor.element_size()
     steps = [tensor.stride(2)] + [tensor.stride(d) for d in (0, 1) if tensor.shape[d] > 1]
-    if any(stride * size % unit for stride in steps) or tensor.data_ptr() % unit:
-        return (f"{name}: strides {tuple(tensor.stride())} of {size}-byte elements or address not multiples of "
-                f"{unit} bytes")
+    if any(stride * size % 16 for stride in steps) or tensor.data_ptr() % 16:
+        return f"{name}: strides {tuple(tensor.stride())} of {size}-byte elements or address not multiples of 16 bytes"
     return None
 
 
@@ -1690,9 +1691,8 @@ def descriptor_refusals(tensors: dict[str, torch.Tensor], pages: Pages | None = 
         reasons.append(PAGED_REFUSAL)
     if sequences is not None:
         reasons.append(PACKED_REFUSAL)
-    unit = triton_compat.descriptor_stride_unit(first.element_size(), interpreting())
     for name, tensor in tensors.items():
-        if (refusal := _layout_refusal(name, tensor, unit)) is not None:
+        if (refusal := _layout_refusal(name, tensor)) is not None:
             reasons.append(refusal)
     return reasons
 
