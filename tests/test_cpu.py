@@ -496,10 +496,10 @@ def test_decode_splits_the_keys_of_a_lone_head(generator, dtype, len_k, sinks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["heads_inner", "seq_first", "packed"])
 @pytest.mark.parametrize("len_k", [300, 1100])
-def test_decode_items_take_every_head_of_interleaved_rows(generator, dtype, layout, len_k):
-    """K and V whose rows hold the heads side by side (a (B, L, H, D) cache): a decode item takes several heads
-    at once (with 1100 keys on two threads, the keys split too, merged per head), each head with its own rows,
-    maxima and accumulator; GQA, padding, dropout, a window and sinks along."""
+def test_decode_over_rows_holding_every_head(generator, dtype, layout, len_k):
+    """K and V whose rows hold the heads side by side (a (B, L, H, D) cache), each head's keys read at the rows'
+    stride (with 1100 keys on two threads, the keys split too, merged per head); GQA, padding, dropout, a window
+    and sinks along."""
     case = testing.Case(batch=2, heads_q=8, heads_kv=4, len_q=1, len_k=len_k, dim_qk=32, key_padding=True,
                         dropout_p=0.1, window=(len_k // 2, -1), causal_alignment="bottom_right", lse_grad=True,
                         sinks=True)

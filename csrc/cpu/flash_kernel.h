@@ -1551,25 +1551,10 @@ inline bool takes_decode_path(const Params& p) {
 
 // Key splits per (batch, key/value head): doubled while there are fewer than two items per thread
 // and each split keeps at least 512 keys.
-inline int64_t decode_splits(const Params& p, int64_t threads, int64_t item_heads) {
+inline int64_t decode_splits(const Params& p, int64_t threads) {
   int64_t splits = 1;
-  while (p.batch * (p.heads_kv / item_heads) * splits < 2 * threads && p.len_k / (2 * splits) >= 512) splits *= 2;
+  while (p.batch * p.heads_kv * splits < 2 * threads && p.len_k / (2 * splits) >= 512) splits *= 2;
   return splits;
-}
-
-// How many key/value heads one decode item takes together. Where a cache row holds every head side by side (a
-// (B, L, H_kv, D) buffer, a paged cache's blocks), an item reading one head reads a slice of each row at the rows'
-// stride, which the hardware's prefetchers follow poorly and lose at every cache block; an item taking all the
-// heads reads whole rows, in order (bench/NOTES.md 40). As many heads as leave two items per thread.
-inline int64_t decode_item_heads(const Params& p, int64_t threads) {
-  const bool heads_in_rows = p.key.s[1] < p.key.s[2] && p.value.s[1] < p.value.s[2];
-  if (!heads_in_rows) return 1;
-  for (int64_t heads = p.heads_kv; heads > 1; --heads) {
-    if (p.heads_kv % heads == 0 && p.batch * (p.heads_kv / heads) * decode_splits(p, threads, heads) >= 2 * threads) {
-      return heads;
-    }
-  }
-  return 1;
 }
 
 template <typename scalar_t, typename ct>
@@ -1582,13 +1567,8 @@ void decode_impl(const Params& p) {
   const int64_t rows = groups * Lq;  // row r: head hk · groups + r / L_q, query r % L_q
   const int64_t Dpad = vnni ? round_up(D, 2) : D;
   const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
-  const int64_t item_heads = decode_item_heads(p, at::get_num_threads());
-  const int64_t item_rows = item_heads * rows, head_groups = p.heads_kv / item_heads;
-  const int64_t splits = decode_splits(p, at::get_num_threads(), item_heads);
-  // Keys per block: an item of several heads reads each block's rows once per head, so its blocks are shorter
-  // (the rows of 64 keys of 8 heads of 128 bf16 values, K and V: 256 KiB, which stay in L2 from head to head).
-  const int64_t item_block = item_heads > 1 ? std::max<int64_t>(kKeyAlign, BK / item_heads) : BK;
-  const int64_t items = p.batch * head_groups * splits;
+  const int64_t splits = decode_splits(p, at::get_num_threads());
+  const int64_t items = p.batch * p.heads_kv * splits;
   // K rows feed the scores, and V rows the B operand of P V, as they lie when they are float and
   // contiguous along D; bf16/fp16 rows computed in float are converted row by row (no transpose), and an
   // 8-bit cache's rows dequantized so.
@@ -1607,57 +1587,39 @@ void decode_impl(const Params& p) {
   const bool spans_pages = !vnni && !(k_in_place && rows > kDotRows);
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);
   using Buffers = SoftmaxBuffers<acc_t, ct>;
-  const size_t scratch_bytes = Scratch::bytes<ct>(item_rows * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
+  const size_t scratch_bytes = Scratch::bytes<ct>(rows * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
                                (k_as_float_rows ? Scratch::bytes<ct>(BK * D) : 0) +
                                (v_in_place || v_stored ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
-                               Buffers::bytes(p, rows, item_rows, BK, BKpad);
-  // With splits, each item's normalised output and log-sum-exp per row, merged afterwards: row r of head hk of
-  // batch row b, split s, at partial_row(b, hk, s, r).
-  std::vector<acc_t> partial_out(splits > 1 ? items * item_rows * Dv : 0);
-  std::vector<acc_t> partial_lse(splits > 1 ? items * item_rows : 0);
-  const auto partial_row = [&](int64_t b, int64_t hk, int64_t s, int64_t r) {
-    return ((b * head_groups + hk / item_heads) * splits + s) * item_rows + hk % item_heads * rows + r;
-  };
+                               Buffers::bytes(p, rows, rows, BK, BKpad);
+  // With splits, each item's normalised output and log-sum-exp per row, merged afterwards.
+  std::vector<acc_t> partial_out(splits > 1 ? items * rows * Dv : 0), partial_lse(splits > 1 ? items * rows : 0);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
   const auto* Vt = static_cast<const scalar_t*>(p.value.data);
   auto* O = static_cast<scalar_t*>(p.out.data);
   auto* LSE = static_cast<acc_t*>(p.lse.data);
-  const auto store_row_result = [&](int64_t b, int64_t h, int64_t qi, const acc_t* o, acc_t factor, acc_t lse) {
+  const auto store_row_result = [&](int64_t b, int64_t h, int64_t qi, acc_t* o, acc_t factor, acc_t lse) {
     store_row(O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2], p.out.s[3], o, Dv, factor);
     LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]] = lse;
   };
 
   parallel_items(items, [&](const auto& next_item) {
     Scratch scratch(scratch_bytes, p.poison_scratch);
-    ct* item_q = scratch.take<ct>(item_rows * Dpad);
+    ct* qbuf = scratch.take<ct>(rows * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* krows = k_as_float_rows ? scratch.take<ct>(BK * D) : nullptr;
     ct* vbuf = v_in_place || v_stored ? nullptr : scratch.take<ct>(BKpad * Dv);
-    Buffers buffers(scratch, p, rows, item_rows, BK, BKpad);
-    acc_t* sbuf = buffers.scores;
+    Buffers buffers(scratch, p, rows, rows, BK, BKpad);
+    acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
-    // Head hk0 + i of the item: its query rows, accumulators and running maxima and sums, rows of them.
-    struct HeadRows {
-      int64_t hk;
-      ct* qbuf;
-      acc_t *obuf, *row_max, *row_sum;
-    };
-    const auto head_rows = [&](int64_t hk0, int64_t i) {
-      return HeadRows{hk0 + i, item_q + i * rows * Dpad, buffers.out + i * rows * Dv, buffers.row_max + i * rows,
-                      buffers.row_sum + i * rows};
-    };
 
     for (int64_t item; (item = next_item()) >= 0;) {
-      const int64_t split = item % splits, b = item / (splits * head_groups);
-      const int64_t hk0 = (item / splits) % head_groups * item_heads;
-      for (int64_t i = 0; i < item_heads; ++i) {
-        for (int64_t g = 0; g < groups; ++g) {
-          pack_a(item_q + (i * rows + g * Lq) * Dpad, Dpad,
-                 Q + b * p.query.s[0] + ((hk0 + i) * groups + g) * p.query.s[1], p.query.s[2], p.query.s[3], Lq, D);
-        }
+      const int64_t split = item % splits, hk = (item / splits) % p.heads_kv, b = item / (splits * p.heads_kv);
+      for (int64_t g = 0; g < groups; ++g) {
+        pack_a(qbuf + g * Lq * Dpad, Dpad, Q + b * p.query.s[0] + (hk * groups + g) * p.query.s[1],
+               p.query.s[2], p.query.s[3], Lq, D);
       }
-      buffers.start(item_rows);
+      buffers.start(rows);
       // The keys some row sees, then this split's share of them.
       const KeyRange span = key_span(p, b);
       const int64_t seen_first = visible_keys(p, 0, span).first, seen_end = visible_keys(p, Lq - 1, span).end;
@@ -1665,7 +1627,7 @@ void decode_impl(const Params& p) {
       const int64_t k_begin = std::min(seen_end, seen_first + split * share);
       const int64_t k_end = std::min(seen_end, k_begin + share);
       for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
-        bk = spans_pages ? std::min(item_block, k_end - k0) : keys_in_block(p, k0, std::min(item_block, k_end - k0));
+        bk = spans_pages ? std::min(BK, k_end - k0) : keys_in_block(p, k0, std::min(BK, k_end - k0));
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
         // The runs of the block's keys that lie in one cache block each: f(first, count), first from k0.
@@ -1675,99 +1637,87 @@ void decode_impl(const Params& p) {
             f(j0, n);
           }
         };
-        for (int64_t i = 0; i < item_heads; ++i) {  // the block's keys for each head of the item
-          const HeadRows head = head_rows(hk0, i);
-          const int64_t hk = head.hk;
-          ct* qbuf = head.qbuf;
-          acc_t *obuf = head.obuf, *row_max = head.row_max, *row_sum = head.row_sum;
-          if constexpr (vnni) {
-            pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
-            gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
-          } else if (k_stored) {
+        if constexpr (vnni) {
+          pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
+          gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
+        } else if (k_stored) {
+          for_each_run([&](int64_t j0, int64_t n) {
+            stored_scores(p, qbuf, rows, b, hk, k0 + j0, n, sbuf + j0, bk, k_end - (k0 + j0 + n));
+          });
+        } else {
+          const ct* k_float = krows;
+          int64_t ldk = D;
+          if (quantized) {
             for_each_run([&](int64_t j0, int64_t n) {
-              stored_scores(p, qbuf, rows, b, hk, k0 + j0, n, sbuf + j0, bk, k_end - (k0 + j0 + n));
+              dequantize_keys(p, p.key, p.k_scale, b, hk, k0 + j0, n, D, krows + j0 * D, D);
             });
+          } else if (k_as_float_rows) {
+            for (int64_t j = 0; j < bk; ++j) {
+              copy_row(krows + j * D, key_row(p, p.key, K, b, hk, k0 + j), p.key.s[3], D);
+            }
           } else {
-            const ct* k_float = krows;
-            int64_t ldk = D;
-            if (quantized) {
-              for_each_run([&](int64_t j0, int64_t n) {
-                dequantize_keys(p, p.key, p.k_scale, b, hk, k0 + j0, n, D, krows + j0 * D, D);
-              });
-            } else if (k_as_float_rows) {
-              for (int64_t j = 0; j < bk; ++j) {
-                copy_row(krows + j * D, key_row(p, p.key, K, b, hk, k0 + j), p.key.s[3], D);
-              }
-            } else {
-              k_float = reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0));
-              ldk = p.key.s[2];
-            }
-            if (rows <= kDotRows && k_float != krows) {  // K rows in place, run by run
-              for_each_run([&](int64_t j0, int64_t n) {
-                row_dots(qbuf, rows, D, reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0 + j0)), ldk, n,
-                         sbuf + j0, bk);
-              });
-            } else if (rows <= kDotRows) {
-              row_dots(qbuf, rows, D, k_float, ldk, bk, sbuf, bk);
-            } else {
-              pack_b(kbuf, k_float, 1, ldk, D, D, bk);  // Kᵀ by blocked transposes
-              gemm<ct, acc_t>(rows, bk, D, qbuf, D, kbuf, bk, sbuf, bk, false, p.use_brgemm);
-            }
+            k_float = reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0));
+            ldk = p.key.s[2];
           }
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t h = hk * groups + r / Lq, qi = r % Lq;
-            const KeyRange seen = visible_keys(p, qi, span);
-            softmax_step<scalar_t>(p, b, h, qi, {std::max(seen.first, k_begin), std::min(seen.end, k_end)}, k0, bk,
-                                   bkpad, sbuf + r * bk, pbuf + r * ldp, row_max + r, row_sum + r, obuf + r * Dv,
-                                   buffers.bits);
-          }
-          const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
-          if (v_stored) {
+          if (rows <= kDotRows && k_float != krows) {  // K rows in place, run by run
             for_each_run([&](int64_t j0, int64_t n) {
-              stored_values_product(p, pbuf + j0, ldp, rows, b, hk, k0 + j0, n, obuf, Dv, accumulate || j0 > 0,
-                                    k_end - (k0 + j0 + n));
+              row_dots(qbuf, rows, D, reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0 + j0)), ldk, n,
+                       sbuf + j0, bk);
             });
-          } else if (v_in_place) {
-            for_each_run([&](int64_t j0, int64_t n) {
-              gemm<ct, acc_t>(rows, Dv, n, pbuf + j0, ldp,
-                              reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0 + j0)), p.value.s[2], obuf, Dv,
-                              accumulate || j0 > 0, p.use_brgemm);
-            });
+          } else if (rows <= kDotRows) {
+            row_dots(qbuf, rows, D, k_float, ldk, bk, sbuf, bk);
           } else {
-            if (quantized) {
-              for_each_run([&](int64_t j0, int64_t n) {
-                dequantize_keys(p, p.value, p.v_scale, b, hk, k0 + j0, n, Dv, vbuf + j0 * Dv, Dv);
-              });
-            } else if (vnni) {
-              pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
-            } else {
-              for_each_run([&](int64_t j0, int64_t n) {
-                pack_b(vbuf + j0 * Dv, key_row(p, p.value, Vt, b, hk, k0 + j0), p.value.s[2], p.value.s[3], n, n, Dv);
-              });
-            }
-            gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, accumulate, p.use_brgemm);
+            pack_b(kbuf, k_float, 1, ldk, D, D, bk);  // Kᵀ by blocked transposes
+            gemm<ct, acc_t>(rows, bk, D, qbuf, D, kbuf, bk, sbuf, bk, false, p.use_brgemm);
           }
         }
-      }
-      if (k_begin >= k_end) std::fill(buffers.out, buffers.out + item_rows * Dv, acc_t(0));  // no key here: output 0
-      for (int64_t i = 0; i < item_heads; ++i) {
-        const HeadRows head = head_rows(hk0, i);
-        const int64_t hk = head.hk;
-        const acc_t *obuf = head.obuf, *row_max = head.row_max, *row_sum = head.row_sum;
         for (int64_t r = 0; r < rows; ++r) {
-          const bool seen = row_sum[r] > acc_t(0);
-          if (splits == 1) {
-            const int64_t h = hk * groups + r / Lq;
-            const RowEnd<acc_t> end = finish_row(p, h, row_max[r], row_sum[r], keep_scale);
-            store_row_result(b, h, r % Lq, obuf + r * Dv, end.factor, end.lse);
+          const int64_t h = hk * groups + r / Lq, qi = r % Lq;
+          const KeyRange seen = visible_keys(p, qi, span);
+          softmax_step<scalar_t>(p, b, h, qi, {std::max(seen.first, k_begin), std::min(seen.end, k_end)}, k0, bk,
+                                 bkpad, sbuf + r * bk, pbuf + r * ldp, row_max + r, row_sum + r, obuf + r * Dv,
+                                 buffers.bits);
+        }
+        const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
+        if (v_stored) {
+          for_each_run([&](int64_t j0, int64_t n) {
+            stored_values_product(p, pbuf + j0, ldp, rows, b, hk, k0 + j0, n, obuf, Dv, accumulate || j0 > 0,
+                                  k_end - (k0 + j0 + n));
+          });
+        } else if (v_in_place) {
+          for_each_run([&](int64_t j0, int64_t n) {
+            gemm<ct, acc_t>(rows, Dv, n, pbuf + j0, ldp,
+                            reinterpret_cast<const ct*>(key_row(p, p.value, Vt, b, hk, k0 + j0)), p.value.s[2], obuf, Dv,
+                            accumulate || j0 > 0, p.use_brgemm);
+          });
+        } else {
+          if (quantized) {
+            for_each_run([&](int64_t j0, int64_t n) {
+              dequantize_keys(p, p.value, p.v_scale, b, hk, k0 + j0, n, Dv, vbuf + j0 * Dv, Dv);
+            });
+          } else if (vnni) {
+            pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
           } else {
-            // The splits are merged below, where the sink joins once.
-            const acc_t lse = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
-            const int64_t part = partial_row(b, hk, split, r);
-            acc_t* out = partial_out.data() + part * Dv;
-            for (int64_t d = 0; d < Dv; ++d) out[d] = seen ? obuf[r * Dv + d] / row_sum[r] : acc_t(0);
-            partial_lse[part] = lse;
+            for_each_run([&](int64_t j0, int64_t n) {
+              pack_b(vbuf + j0 * Dv, key_row(p, p.value, Vt, b, hk, k0 + j0), p.value.s[2], p.value.s[3], n, n, Dv);
+            });
           }
+          gemm<ct, acc_t>(rows, Dv, bkpad, pbuf, ldp, vbuf, Dv, obuf, Dv, accumulate, p.use_brgemm);
+        }
+      }
+      if (k_begin >= k_end) std::fill(obuf, obuf + rows * Dv, acc_t(0));  // no key here: output 0
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool seen = row_sum[r] > acc_t(0);
+        if (splits == 1) {
+          const int64_t h = hk * groups + r / Lq;
+          const RowEnd<acc_t> end = finish_row(p, h, row_max[r], row_sum[r], keep_scale);
+          store_row_result(b, h, r % Lq, obuf + r * Dv, end.factor, end.lse);
+        } else {
+          // The splits are merged below, where the sink joins once.
+          const acc_t lse = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
+          acc_t* out = partial_out.data() + (item * rows + r) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) out[d] = seen ? obuf[r * Dv + d] / row_sum[r] : acc_t(0);
+          partial_lse[item * rows + r] = lse;
         }
       }
     }
@@ -1781,12 +1731,12 @@ void decode_impl(const Params& p) {
       const int64_t r = row % rows, head = row / rows;  // head = b · H_kv + hk
       const int64_t b = head / p.heads_kv, hk = head % p.heads_kv;
       acc_t top = neg_inf<acc_t>();
-      for (int64_t s = 0; s < splits; ++s) top = std::max(top, partial_lse[partial_row(b, hk, s, r)]);
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, partial_lse[(head * splits + s) * rows + r]);
       std::fill(merged.begin(), merged.end(), acc_t(0));
       acc_t total = 0;
       if (top != neg_inf<acc_t>()) {
         for (int64_t s = 0; s < splits; ++s) {
-          const int64_t part = partial_row(b, hk, s, r);
+          const int64_t part = (head * splits + s) * rows + r;
           const acc_t weight = std::exp(partial_lse[part] - top);  // 0 for a split that saw nothing
           total += weight;
           for (int64_t d = 0; d < Dv; ++d) merged[d] += weight * partial_out[part * Dv + d];
