@@ -388,9 +388,7 @@ using StoredElem = std::conditional_t<kType == CacheType::Plain, c10::BFloat16, 
 
 template <CacheType kType>
 inline float stored_value(StoredElem<kType> byte) {
-  if constexpr (kType == CacheType::Plain) {
-    return static_cast<float>(byte);
-  } else if constexpr (kType == CacheType::Int8) {
+  if constexpr (kType != CacheType::Float8E4M3) {  // bf16, or an int8 value
     return static_cast<float>(byte);
   } else {
     const auto bits = static_cast<uint8_t>(byte);
@@ -1407,7 +1405,7 @@ inline void with_cache_and_rows(CacheType cache, int64_t rows, const F& f) {
 // ldk, key j's scale at scale[j · scale_stride]. Two accumulators per row take alternate vectors of D.
 template <CacheType kType, int R>
 void stored_row_dots(const float* q, int64_t D, const StoredElem<kType>* k, int64_t ldk, const float* scale,
-                        int64_t scale_stride, int64_t n, float* s, int64_t lds) {
+                     int64_t scale_stride, int64_t n, float* s, int64_t lds) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
   const int64_t full = D / W * W;
@@ -1445,7 +1443,7 @@ constexpr int64_t kValueRun = 64;
 // vectors of D at a time against every key of the run (C · R accumulators, at least 4 chains of multiply-adds).
 template <CacheType kType, int R>
 void add_stored_values(const float* p, int64_t ldp, const StoredElem<kType>* v, int64_t ldv, const float* scale,
-                          int64_t scale_stride, int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
+                       int64_t scale_stride, int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
   constexpr int C = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
@@ -1501,7 +1499,7 @@ inline void prefetch_next_run(const Params& p, const View& view, int64_t b, int6
 }
 
 // The scores s (rows × n, row stride lds) of query rows q (packed, rows × D) against the keys k0 .. k0 + n of
-// head hk of batch row b, within one cache block read in place (an 8-bit cache, or bf16 as reads_stored_rows says):
+// head hk of batch row b, within one cache block read in place (an 8-bit cache, or bf16: decode_impl's `stored`):
 // stored_row_dots, kDotRows rows at a time. The operands are float wherever this is reached. `following`: how many
 // keys after these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
 template <typename Q, typename S>
