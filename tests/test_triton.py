@@ -1314,8 +1314,9 @@ def test_default_configs_fit_their_generation(kernel):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The forward's tensor-descriptor variant (DESCRIPTORS: Q, K, V and O through tl.make_tensor_descriptor, TMA on
-# sm_90 and later), forced by FUSED_ATTN_TRITON_DESCRIPTORS=1 where a call's layouts allow it
+# The tensor-descriptor variants (DESCRIPTORS: the forward's Q, K, V and O, the backward's Q, K, V, dO, dQ, dK and
+# dV through tl.make_tensor_descriptor, TMA on sm_90 and later), forced by FUSED_ATTN_TRITON_DESCRIPTORS=1 where a
+# call's layouts allow it
 # ---------------------------------------------------------------------------------------------------
 
 # The tests that need the variant offered by the installed Triton (triton_compat.DESCRIPTORS_FROM).
@@ -1334,13 +1335,15 @@ DESCRIPTOR_RUNS = [pytest.param(name, dtype, index % len(DESCRIPTOR_LAYOUTS), id
 
 def descriptor_inputs(case: Case, dtype, rotation: int, generator) -> testing.Inputs:
     """`make_inputs`, then q, k and v in three different DESCRIPTOR_LAYOUTS, the NaN-poisoned output in the
-    first of them (grad_out, masks and the rest as drawn)."""
+    first of them and grad_out in the second (masks and the rest as drawn; the gradients are laid out as their
+    inputs)."""
     inputs = make_inputs(case, dtype, rotation, generator)
     layouts = [DESCRIPTOR_LAYOUTS[(rotation + i) % len(DESCRIPTOR_LAYOUTS)] for i in range(3)]
     query, key, value = (testing.strided(getattr(inputs, name), layout)
                          for name, layout in zip(("query", "key", "value"), layouts))
     out = testing.poisoned_output(query, case.value_dim, layouts[0])
-    return dataclasses.replace(inputs, query=query, key=key, value=value, out=out)
+    grad_out = testing.strided(inputs.grad_out, layouts[1])
+    return dataclasses.replace(inputs, query=query, key=key, value=value, out=out, grad_out=grad_out)
 
 
 def forward_tensors(inputs: testing.Inputs) -> dict:
@@ -1348,19 +1351,31 @@ def forward_tensors(inputs: testing.Inputs) -> dict:
     return dict(query=inputs.query, key=inputs.key, value=inputs.value, out=inputs.out)
 
 
-def _recording_variants(monkeypatch) -> list:
-    """Records the DESCRIPTORS constexpr of every launch of the forward kernel."""
-    variants = []
-    kernel = tk.KERNELS["fwd"]
+def backward_tensors(inputs: testing.Inputs) -> dict:
+    """What the dK/dV and dQ kernels read and write through descriptors, the gradients laid out as `new_gradient`
+    (here `nan_filled_like`) lays them out."""
+    grads = tuple(testing.nan_filled_like(t) for t in (inputs.query, inputs.key, inputs.value))
+    return tk.backward_tensors(inputs.query, inputs.key, inputs.value, inputs.grad_out, grads)
 
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                variants.append(kwargs["DESCRIPTORS"])
-                return kernel[grid](*args, **kwargs)
-            return launch
 
-    monkeypatch.setitem(tk.KERNELS, "fwd", Recording())
+class _Recording:
+    """A kernel whose launches record their DESCRIPTORS constexpr into `variants[name]`."""
+
+    def __init__(self, name, kernel, variants):
+        self.name, self.kernel, self.variants = name, kernel, variants
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.variants.setdefault(self.name, []).append(kwargs["DESCRIPTORS"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _recording_variants(monkeypatch) -> dict:
+    """Records the DESCRIPTORS constexpr of every launch of the kernels that have the variant, by kernel."""
+    variants = {}
+    for name in tk.DESCRIPTOR_KERNELS:
+        monkeypatch.setitem(tk.KERNELS, name, _Recording(name, tk.KERNELS[name], variants))
     return variants
 
 
@@ -1373,28 +1388,32 @@ def _descriptor_tiles(case: Case, dtype, rotation: int) -> dict:
 
 
 @pytest.mark.parametrize("name,dtype,rotation", DESCRIPTOR_RUNS)
-def test_descriptor_forward_matches_reference(name, dtype, rotation, generator, monkeypatch):
-    """The descriptor variant runs wherever `descriptor_refusals` finds nothing (head dims whose rows are not
-    multiples of 16 bytes keep pointers), and gives what the reference gives, by the same criterion."""
+def test_descriptor_kernels_match_reference(name, dtype, rotation, generator, monkeypatch):
+    """The descriptor variants (forward, dK/dV, dQ) run wherever `descriptor_refusals` finds nothing (head dims
+    whose rows are not multiples of 16 bytes keep pointers), and give what the reference gives, by the same
+    criterion."""
     monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "1")
     monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE", "0")
     case = DESCRIPTOR_CASES[name]
     inputs = descriptor_inputs(case, dtype, rotation, generator)
-    refusals = tk.descriptor_refusals(forward_tensors(inputs))
+    forward = tk.descriptor_refusals(forward_tensors(inputs))
+    backward = tk.descriptor_refusals(backward_tensors(inputs))
     variants = _recording_variants(monkeypatch)
     with tk.forced_configs(**_descriptor_tiles(case, dtype, rotation)):
         results = run_backend(inputs)
-    assert variants == [not refusals], refusals
+    assert variants == {"fwd": [not forward], "bwd_dkdv": [not backward], "bwd_dq": [not backward]}, (forward,
+                                                                                                     backward)
     testing.check_inputs(results, inputs)
 
 
 @needs_descriptors
-def test_descriptor_forward_serves_most_cases(generator):
-    """The matrix above runs the descriptor variant for most of its cases, not the fallback."""
+@pytest.mark.parametrize("tensors", [forward_tensors, backward_tensors], ids=["forward", "backward"])
+def test_descriptor_variants_serve_most_cases(tensors, generator):
+    """The matrix above runs the descriptor variants for most of its cases, not the fallback."""
     served = []
     for name, case in DESCRIPTOR_CASES.items():
         inputs = descriptor_inputs(case, torch.float16, 0, generator)
-        if not tk.descriptor_refusals(forward_tensors(inputs)):
+        if not tk.descriptor_refusals(tensors(inputs)):
             served.append(name)
     assert len(served) >= 0.8 * len(DESCRIPTOR_CASES), sorted(set(DESCRIPTOR_CASES) - set(served))
 
@@ -1417,16 +1436,25 @@ def test_descriptor_refusals_name_each_reason(generator):
     bounds = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEVICE)
     packed = tk.Sequences(bounds, bounds, 20, 20)
     assert any("packed batch" in r for r in tk.descriptor_refusals(plain, None, packed))
+    # The backward's: its gradients and grad_out too, by name.
+    assert tk.descriptor_refusals(tk.backward_tensors(q, q, q, q, (q, q, q))) == []
+    reasons = tk.descriptor_refusals(tk.backward_tensors(q, q, q, reversed_v, (q, packed_k, narrow_out)))
+    assert any(r.startswith("grad_out: stride") and "along the head dim, not 1" in r for r in reasons), reasons
+    assert any(r.startswith("grad_key: strides") for r in reasons), reasons
+    assert any(r.startswith("grad_value: strides") for r in reasons), reasons
+    assert not any(r.startswith(("query", "key", "value", "grad_query")) for r in reasons), reasons
 
 
 def test_forced_descriptor_config_falls_back_where_a_call_cannot_take_it(generator, monkeypatch):
     """A forced config of the variant on layouts it cannot read launches the pointer variant, correctly."""
     inputs = make_inputs(CASES["causal"], torch.float32, 0, generator)  # the output "packed": rows of 17 floats
     assert tk.descriptor_refusals(forward_tensors(inputs))
+    assert tk.descriptor_refusals(backward_tensors(inputs))  # grad_out "reversed": no unit stride along D
     variants = _recording_variants(monkeypatch)
-    with tk.forced_configs(**dict(SMALL_TILES, fwd=tk.KernelConfig(16, 32, 4, 1, descriptors=True))):
+    forced = {name: dataclasses.replace(config, descriptors=True) for name, config in SMALL_TILES.items()}
+    with tk.forced_configs(**forced):
         results = run_backend(inputs)
-    assert variants == [False]
+    assert variants == {"fwd": [False], "bwd_dkdv": [False], "bwd_dq": [False]}
     testing.check_inputs(results, inputs)
 
 
@@ -1439,39 +1467,43 @@ def test_descriptor_mode_is_checked(monkeypatch):
         tk.descriptor_mode()
 
 
+@pytest.mark.parametrize("kernel", ["fwd", "bwd_dkdv", "bwd_dq"])
 @pytest.mark.parametrize("mode", ["auto", "1"])
-def test_autotune_offers_the_descriptor_variant_beside_pointers(mode, monkeypatch):
+def test_autotune_offers_the_descriptor_variant_beside_pointers(kernel, mode, monkeypatch):
     """On sm_90 the descriptor variant of each kept candidate joins them (alone with FUSED_ATTN_TRITON_DESCRIPTORS=1),
-    and the default's warp-specialized one where Triton has it; an autotuner without descriptors offers none."""
+    and, for the forward, the default's warp-specialized one where Triton has it; an autotuner without descriptors
+    offers none."""
     from fused_attn.backends import triton_compat
 
     monkeypatch.setattr(tk, "_device_limits", lambda index: ((9, 0), 227 * 1024))
     monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, mode)
     constexprs = dict(BLOCK_DQK=64, BLOCK_DV=64, D_QK=64, D_V=64)
-    plain = tk._autotuned("fwd").early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs)
-    both = tk._autotuned("fwd", True).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs)
-    assert not any(c.kwargs["DESCRIPTORS"] or c.kwargs["WARP_SPECIALIZE"] for c in plain)
+    plain = tk._autotuned(kernel).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs)
+    both = tk._autotuned(kernel, True).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs)
+    assert not any(c.kwargs["DESCRIPTORS"] or c.kwargs.get("WARP_SPECIALIZE") for c in plain)
     pointers = [c for c in both if not c.kwargs["DESCRIPTORS"]]
-    descriptors = [c for c in both if c.kwargs["DESCRIPTORS"] and not c.kwargs["WARP_SPECIALIZE"]]
-    specialized = [c for c in both if c.kwargs["WARP_SPECIALIZE"]]
+    descriptors = [c for c in both if c.kwargs["DESCRIPTORS"] and not c.kwargs.get("WARP_SPECIALIZE")]
+    specialized = [c for c in both if c.kwargs.get("WARP_SPECIALIZE")]
     assert len(descriptors) == len(plain)
     assert [str(c) for c in pointers] == ([] if mode == "1" else [str(c) for c in plain])
-    assert len(specialized) == (1 if triton_compat.warp_specialization() else 0)  # constexprs without scores
+    warp_specialized = kernel in tk.WARP_SPECIALIZED_KERNELS and triton_compat.warp_specialization()
+    assert len(specialized) == (1 if warp_specialized else 0)  # constexprs without scores
     assert all(c.kwargs["DESCRIPTORS"] for c in specialized)
     # With score variants and key padding its partitions spill on sm_100: not offered.
-    scored = tk._autotuned("fwd", True).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs, SOFTCAP=True,
+    scored = tk._autotuned(kernel, True).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs, SOFTCAP=True,
                                                             HAS_KPM=True)
-    assert not any(c.kwargs["WARP_SPECIALIZE"] for c in scored)
+    assert not any(c.kwargs.get("WARP_SPECIALIZE") for c in scored)
 
 
 @needs_descriptors
 @pytest.mark.parametrize("capability, varlen, expected", [
-    ((9, 0), False, "also tries Q, K, V and O through tensor descriptors"),
-    ((10, 0), False, "also tries Q, K, V and O through tensor descriptors"),
-    ((8, 0), False, "pointers only: tensor descriptors (TMA) need compute capability 9.0 or newer, got 8.0"),
-    ((9, 0), True, "pointers only: a packed batch"),
+    ((9, 0), False, "also tries Q, K, V and O through tensor descriptors (TMA), its backward Q, K, V, dO, dQ, dK"),
+    ((10, 0), False, "also tries Q, K, V and O through tensor descriptors (TMA), its backward Q, K, V, dO, dQ, dK"),
+    ((8, 0), False, "forward and backward read through pointers only: tensor descriptors (TMA) need compute "
+                    "capability 9.0 or newer, got 8.0"),
+    ((9, 0), True, "forward and backward read through pointers only: a packed batch"),
 ])
-def test_registry_notes_say_whether_the_forward_takes_descriptors(capability, varlen, expected, monkeypatch):
+def test_registry_notes_say_whether_the_kernels_take_descriptors(capability, varlen, expected, monkeypatch):
     from fused_attn.problem import Problem
 
     monkeypatch.setattr(tk, "interpreting", lambda: False)

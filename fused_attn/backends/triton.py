@@ -110,9 +110,9 @@ class TritonBackend(Backend):
         return []
 
     def notes(self, problem: Problem) -> list[str]:
-        """Also, on a GPU, whether the forward's tensor-descriptor (TMA) variant is among the autotuner's
-        candidates for calls like this one, or why not (a call's own layouts may still keep it out:
-        `triton_kernels.descriptor_refusals`)."""
+        """Also, on a GPU, whether the tensor-descriptor (TMA) variants of the forward and the backward's kernels are
+        among the autotuner's candidates for calls like this one, or why not (a call's own layouts may still keep
+        them out: `triton_kernels.descriptor_refusals`)."""
         notes = super().notes(problem)
         if problem.device.type != "cuda":
             return notes
@@ -125,10 +125,10 @@ class TritonBackend(Backend):
         if reason is None and kernels.descriptor_mode() == "off":
             reason = f"{kernels.DESCRIPTORS_VARIABLE}=0"
         if reason is None:
-            notes.append("its forward also tries Q, K, V and O through tensor descriptors (TMA) where the layouts "
-                         "allow")
+            notes.append("its forward also tries Q, K, V and O through tensor descriptors (TMA), its backward Q, K, V, "
+                         "dO, dQ, dK and dV, where the layouts allow")
         else:
-            notes.append(f"its forward reads through pointers only: {reason}")
+            notes.append(f"its forward and backward read through pointers only: {reason}")
         return notes
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,

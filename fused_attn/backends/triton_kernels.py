@@ -60,15 +60,18 @@ the merged (B, L, H * D) layout. Nothing is made contiguous. Head dimensions are
 two of at least 16 inside the kernels (with load/store masks), lengths need not be block multiples.
 Offsets are computed in int64, so no tensor or mask size can overflow them.
 
-Tensor descriptors (DESCRIPTORS, the forward only; `tl.make_tensor_descriptor`, TMA on sm_90 and later): a
-variant of the forward kernel that reads Q, K and V and writes O through descriptors of each (batch row, head)'s
-(L, D) matrix, made on the device (`_rows_descriptor`), instead of pointer tiles; everything else, scores, masks,
-padding, dropout, sinks and mask programs, is the same code and reads through pointers. TMA zero-fills rows and
+Tensor descriptors (DESCRIPTORS; `tl.make_tensor_descriptor`, TMA on sm_90 and later): a variant of the forward
+kernel that reads Q, K and V and writes O, and of the backward's dK/dV and dQ kernels that read Q, K, V and dO and
+write dK, dV and dQ, through descriptors of each (batch row, head)'s (L, D) matrix, made on the device
+(`_rows_descriptor`), instead of pointer tiles; everything else, scores, masks, padding, dropout, sinks, mask
+programs, the log-sum-exp, delta and a learned bias's gradient, is the same code and goes through pointers. TMA zero-fills rows and
 columns past a matrix's end, as the pointer loads' masks do; key padding, which a descriptor cannot skip, is zeroed
-after the load (`_descriptor_rows`). WARP_SPECIALIZE adds Triton's automatic warp specialization of the key loop.
+after the load (`_descriptor_rows`). WARP_SPECIALIZE adds Triton's automatic warp specialization of the forward's
+key loop.
 The variant is an extra autotuning candidate on devices of DESCRIPTOR_CAPABILITY, beside the pointer configs,
 never the only one, for calls whose layouts TMA can read and that it serves (`descriptor_refusals`: a paged cache
-and packed batches keep pointers); if Triton cannot compile it, the forward goes back to pointers for the process.
+and packed batches keep pointers; the backward's two kernels take it together, when every tensor of both allows);
+if Triton cannot compile it, the kernels go back to pointers for the process.
 FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it wherever it serves a call (the interpreter's tests), =0 never
 (`descriptor_mode`). It is offered from Triton 3.7 on, its warp-specialized form from 3.9 on (the releases where
 the static report compiles them without spills; triton_compat). Descriptors made on the device take global
@@ -407,6 +410,20 @@ def _descriptor_rows(desc, first, load_ok, HAS_KPM: tl.constexpr):
 
 
 @triton.jit
+def _store_rows(base, block, first, rows, stride_row, stride_col, COLS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr, DESCRIPTORS: tl.constexpr):
+    """Writes `block` into rows first, first + 1, .. of the (rows, COLS) matrix at `base`, leaving out what lies past
+    its bounds: through a descriptor (`_rows_descriptor`) with DESCRIPTORS, else through pointers."""
+    if DESCRIPTORS:
+        _rows_descriptor(base, rows, stride_row, COLS, BLOCK_ROWS, BLOCK_COLS).store([first, 0], block)
+    else:
+        offs = first + tl.arange(0, BLOCK_ROWS)
+        cols = tl.arange(0, BLOCK_COLS)
+        tl.store(base + offs.to(tl.int64)[:, None] * stride_row + cols[None, :] * stride_col, block,
+                 mask=(offs < rows)[:, None] & (cols[None, :] < COLS))
+
+
+@triton.jit
 def _visible_scores(q, k_t, q_idx, offs_n, row_ok, col_ok, mask_base, stride_mn, kpm_base, stride_pn, slope2,
                     softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS, state, start_n, MASK_KIND: tl.constexpr,
                     HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -645,13 +662,8 @@ def _attn_fwd(
     lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     if HAS_SINKS:  # the sink alone: its logit exactly, not through base 2
         lse = tl.where(no_key, sink, lse)
-    o_base = O + off_b * stride_ob + off_h * stride_oh
-    if DESCRIPTORS:
-        _rows_descriptor(o_base, L_Q, stride_om, D_V, BLOCK_M, BLOCK_DV).store([pid_m * BLOCK_M, 0],
-                                                                               out.to(O.dtype.element_ty))
-    else:
-        tl.store(o_base + offs_m64[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv[None, :] < D_V))
+    _store_rows(O + off_b * stride_ob + off_h * stride_oh, out.to(O.dtype.element_ty), pid_m * BLOCK_M, L_Q, stride_om,
+                stride_od, D_V, BLOCK_M, BLOCK_DV, DESCRIPTORS)
     tl.store(LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm, lse, mask=row_ok)
 
 
@@ -698,25 +710,31 @@ def _attn_bwd_preprocess(
 
 @triton.jit
 def _attn_dkdv_queries(dk, dv, lo, hi, state, k, v, key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h,
-                       q_base, do_base, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd,
+                       q_base, do_base, q_desc, do_desc, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm,
+                       stride_qd,
                        stride_gm, stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q,
                        L_Q, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, start_n,
                        D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr, BANDED: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                        HAS_PROGRAM: tl.constexpr, HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dK (unscaled) and dV after the query blocks lo, lo + BLOCK_M, .. below hi of one query head against
     the key block start_n .. (transposed tiles, keys along rows), all in the mask program's tile `state`
-    (PROGRAM_FULL without a program); dS of each element written where HAS_MASK_GRAD."""
+    (PROGRAM_FULL without a program); dS of each element written where HAS_MASK_GRAD. With DESCRIPTORS, Q and dO
+    are read through the head's descriptors q_desc and do_desc (`_rows_descriptor`), else through pointers."""
     offs_n64 = offs_n.to(tl.int64)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_m64 = offs_m.to(tl.int64)
         row_ok = offs_m < L_Q
-        q_t = tl.load(q_base + offs_m64[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
-                      mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-        do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
-                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if DESCRIPTORS:
+            q_t = tl.trans(q_desc.load([start_m, 0]))
+            do = do_desc.load([start_m, 0])
+        else:
+            q_t = tl.load(q_base + offs_m64[None, :] * stride_qm + offs_dqk[:, None] * stride_qd,
+                          mask=row_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+            do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         lse = tl.load(lse_base + offs_m64 * stride_lm, mask=row_ok, other=0.0)
         # Rows that see no key have lse -inf and all p 0; 0 keeps exp2 finite for them.
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
@@ -768,12 +786,14 @@ def _attn_bwd_dkdv(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_PROGRAM: tl.constexpr,
-    HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One key block of one key/value head: dK and dV summed over its query heads and query blocks,
     and, with HAS_MASK_GRAD, dS of each of its (query, key) elements, the additive mask's gradient.
 
-    Works on transposed tiles (keys along rows) so that both accumulators are row-major in keys.
+    Works on transposed tiles (keys along rows) so that both accumulators are row-major in keys. With DESCRIPTORS
+    (as the forward's), K, V, Q and dO are read and dK and dV written through tensor descriptors.
     """
     num_n = tl.cdiv(L_K, BLOCK_N)
     pid = tl.program_id(0)
@@ -800,12 +820,18 @@ def _attn_bwd_dkdv(
     if HAS_KPM:
         span_first, span_end = _span(SPANS, off_b)
         key_ok = _in_span(offs_n, span_first, span_end)
-    k = tl.load(K + off_b * stride_kb + off_hkv * stride_kh + offs_n64[:, None] * stride_kn
-                + offs_dqk[None, :] * stride_kd, mask=key_ok[:, None] & (offs_dqk[None, :] < D_QK),
-                other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hkv * stride_vh + offs_n64[:, None] * stride_vn
-                + offs_dv[None, :] * stride_vd, mask=key_ok[:, None] & (offs_dv[None, :] < D_V),
-                other=0.0)
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    if DESCRIPTORS:
+        k = _descriptor_rows(_rows_descriptor(k_base, L_K, stride_kn, D_QK, BLOCK_N, BLOCK_DQK), pid_n * BLOCK_N,
+                             key_ok, HAS_KPM)
+        v = _descriptor_rows(_rows_descriptor(v_base, L_K, stride_vn, D_V, BLOCK_N, BLOCK_DV), pid_n * BLOCK_N,
+                             key_ok, HAS_KPM)
+    else:
+        k = tl.load(k_base + offs_n64[:, None] * stride_kn + offs_dqk[None, :] * stride_kd,
+                    mask=key_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
+        v = tl.load(v_base + offs_n64[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=key_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     key_visible = key_ok
     if HAS_KPM:
         padded = tl.load(KPM + off_b * stride_pb + offs_n64 * stride_pn, mask=key_ok, other=1)
@@ -835,6 +861,11 @@ def _attn_bwd_dkdv(
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_db + off_h * stride_dh
         mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_n64[:, None] * stride_mn
+        q_desc = q_base  # the descriptors, with DESCRIPTORS (unused otherwise)
+        do_desc = do_base
+        if DESCRIPTORS:
+            q_desc = _rows_descriptor(q_base, L_Q, stride_qm, D_QK, BLOCK_M, BLOCK_DQK)
+            do_desc = _rows_descriptor(do_base, L_Q, stride_gm, D_V, BLOCK_M, BLOCK_DV)
         if HAS_PROGRAM:  # as in the forward, along the queries: empty tiles skipped, branch-free blocks inside
             tiles_base = TILES + off_b * stride_tileb + off_h * stride_tileh
             for tile_m in range(lo // PROGRAM_TILE * PROGRAM_TILE, hi, PROGRAM_TILE):
@@ -842,42 +873,42 @@ def _attn_bwd_dkdv(
                 if state != PROGRAM_EMPTY:  # an empty tile: none of its queries is read, its dS is never written
                     dk, dv = _attn_dkdv_queries(
                         dk, dv, tl.maximum(lo, tile_m), tl.minimum(hi, tile_m + PROGRAM_TILE), state, k, v,
-                        key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h, q_base, do_base, lse_base,
-                        delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd, stride_gm, stride_gd, stride_lm,
-                        stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q, qk_scale, drop_threshold,
-                        keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N, D_QK, D_V, MASK_KIND,
-                        BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD, PRECISION,
-                        BLOCK_M, BLOCK_N)
+                        key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h, q_base, do_base, q_desc,
+                        do_desc, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd, stride_gm,
+                        stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q,
+                        qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N,
+                        D_QK, D_V, MASK_KIND, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM,
+                        HAS_MASK_GRAD, PRECISION, DESCRIPTORS, BLOCK_M, BLOCK_N)
         else:
             dk, dv = _attn_dkdv_queries(
                 dk, dv, lo, hi, PROGRAM_FULL, k, v, key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h, q_base,
-                do_base, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd, stride_gm, stride_gd,
-                stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q, qk_scale,
-                drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N, D_QK, D_V, MASK_KIND,
-                BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD, PRECISION, BLOCK_M,
-                BLOCK_N)
+                do_base, q_desc, do_desc, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd,
+                stride_gm, stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q,
+                qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N, D_QK, D_V,
+                MASK_KIND, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD, PRECISION,
+                DESCRIPTORS, BLOCK_M, BLOCK_N)
 
     dk = dk * sm_scale
     if HAS_DROPOUT:
         dv = dv * keep_scale
-    tl.store(DK + off_b * stride_dkb + off_hkv * stride_dkh + offs_n64[:, None] * stride_dkn
-             + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_dqk[None, :] < D_QK))
-    tl.store(DV + off_b * stride_dvb + off_hkv * stride_dvh + offs_n64[:, None] * stride_dvn
-             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=col_ok[:, None] & (offs_dv[None, :] < D_V))
+    # Every key row below L_K is written, padding's too (0), as col_ok says.
+    _store_rows(DK + off_b * stride_dkb + off_hkv * stride_dkh, dk.to(DK.dtype.element_ty), pid_n * BLOCK_N, L_K,
+                stride_dkn, stride_dkd, D_QK, BLOCK_N, BLOCK_DQK, DESCRIPTORS)
+    _store_rows(DV + off_b * stride_dvb + off_hkv * stride_dvh, dv.to(DV.dtype.element_ty), pid_n * BLOCK_N, L_K,
+                stride_dvn, stride_dvd, D_V, BLOCK_N, BLOCK_DV, DESCRIPTORS)
 
 
 @triton.jit
-def _attn_dq_keys(dq, lo, hi, state, q, do, lse2, delta, k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base,
-                  kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn,
-                  stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG,
-                  LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
-                  BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                  HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+def _attn_dq_keys(dq, lo, hi, state, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, offs_m, offs_dqk, offs_dv,
+                  row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn,
+                  stride_vd, stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale,
+                  slope2, softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr,
+                  HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr,
+                  DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ (unscaled) after the key blocks lo, lo + BLOCK_N, .. below hi, all in the mask program's tile
     `state` (PROGRAM_FULL without a program); with HAS_KPM only the keys of the span [span_first, span_end)
-    are read."""
+    are read. With DESCRIPTORS, K and V are read through the descriptors k_desc and v_desc (`_rows_descriptor`)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
@@ -885,10 +916,14 @@ def _attn_dq_keys(dq, lo, hi, state, q, do, lse2, delta, k_base, v_base, offs_m,
         load_ok = col_ok
         if HAS_KPM:  # as in the forward (`_attn_fwd_keys`)
             load_ok = _in_span(offs_n, span_first, span_end)
-        k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
-                      mask=load_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
-        v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
-                      mask=load_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
+        if DESCRIPTORS:
+            k_t = tl.trans(_descriptor_rows(k_desc, start_n, load_ok, HAS_KPM))
+            v_t = tl.trans(_descriptor_rows(v_desc, start_n, load_ok, HAS_KPM))
+        else:
+            k_t = tl.load(k_base + offs_n64[None, :] * stride_kn + offs_dqk[:, None] * stride_kd,
+                          mask=load_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+            v_t = tl.load(v_base + offs_n64[None, :] * stride_vn + offs_dv[:, None] * stride_vd,
+                          mask=load_ok[None, :] & (offs_dv[:, None] < D_V), other=0.0)
         s, cap_grad = _visible_scores(q, k_t, offs_m[:, None], offs_n, row_ok, col_ok, mask_base, stride_mn,
                                       kpm_base, stride_pn, slope2, softcap2, qk_scale, DIAG, LEFT, RIGHT, BITS,
                                       state, start_n, MASK_KIND, HAS_KPM, BANDED, SOFTCAP, HAS_ALIBI,
@@ -921,9 +956,10 @@ def _attn_bwd_dq(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_PROGRAM: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One query block: dQ = dS K * scale over the key blocks it sees."""
+    """One query block: dQ = dS K * scale over the key blocks it sees. With DESCRIPTORS (as the forward's), Q, dO,
+    K and V are read and dQ written through tensor descriptors."""
     num_m = tl.cdiv(L_Q, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = num_m - 1 - pid % num_m
@@ -946,18 +982,26 @@ def _attn_bwd_dq(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < L_Q
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m64[:, None] * stride_qm
-                + offs_dqk[None, :] * stride_qd, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK),
-                other=0.0)
-    do = tl.load(DO + off_b * stride_gb + off_h * stride_gh + offs_m64[:, None] * stride_gm
-                 + offs_dv[None, :] * stride_gd, mask=row_ok[:, None] & (offs_dv[None, :] < D_V),
-                 other=0.0)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_gb + off_h * stride_gh
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
+    k_desc = k_base  # the descriptors, with DESCRIPTORS (unused otherwise)
+    v_desc = v_base
+    if DESCRIPTORS:
+        q = _rows_descriptor(q_base, L_Q, stride_qm, D_QK, BLOCK_M, BLOCK_DQK).load([pid_m * BLOCK_M, 0])
+        do = _rows_descriptor(do_base, L_Q, stride_gm, D_V, BLOCK_M, BLOCK_DV).load([pid_m * BLOCK_M, 0])
+        k_desc = _rows_descriptor(k_base, L_K, stride_kn, D_QK, BLOCK_N, BLOCK_DQK)
+        v_desc = _rows_descriptor(v_base, L_K, stride_vn, D_V, BLOCK_N, BLOCK_DV)
+    else:
+        q = tl.load(q_base + offs_m64[:, None] * stride_qm + offs_dqk[None, :] * stride_qd,
+                    mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
+        do = tl.load(do_base + offs_m64[:, None] * stride_gm + offs_dv[None, :] * stride_gd,
+                     mask=row_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
     lse = tl.load(LSE + off_b * stride_lb + off_h * stride_lh + offs_m64 * stride_lm,
                   mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
     delta = tl.load(DELTA + off_b * stride_db + off_h * stride_dh + offs_m64, mask=row_ok, other=0.0)
-    k_base = K + off_b * stride_kb + off_hkv * stride_kh
-    v_base = V + off_b * stride_vb + off_hkv * stride_vh
     mask_base = MASK + off_b * stride_mb + off_h * stride_mh + offs_m64[:, None] * stride_mm
     kpm_base = KPM + off_b * stride_pb
 
@@ -984,23 +1028,22 @@ def _attn_bwd_dq(
             if state != PROGRAM_EMPTY:  # an empty tile: no key of it is read
                 dq = _attn_dq_keys(
                     dq, tl.maximum(lo, tile_n), tl.minimum(hi, tile_n + PROGRAM_TILE), state, q, do, lse2, delta,
-                    k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG, drop_bh,
-                    drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_pn, L_K,
-                    span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT,
-                    D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION,
-                    BLOCK_N)
+                    k_base, v_base, k_desc, v_desc, offs_m, offs_dqk, offs_dv, row_ok, mask_base, kpm_base, RNG,
+                    drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_pn,
+                    L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT,
+                    RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM,
+                    PRECISION, DESCRIPTORS, BLOCK_N)
     else:
         dq = _attn_dq_keys(
-            dq, lo, hi, PROGRAM_FULL, q, do, lse2, delta, k_base, v_base, offs_m, offs_dqk, offs_dv, row_ok, mask_base,
-            kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn,
-            stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT,
-            RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM, PRECISION,
-            BLOCK_N)
+            dq, lo, hi, PROGRAM_FULL, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, offs_m, offs_dqk, offs_dv,
+            row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd,
+            stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2,
+            DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM,
+            PRECISION, DESCRIPTORS, BLOCK_N)
 
     dq = dq * sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m64[:, None] * stride_dqm
-             + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK))
+    _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh, dq.to(DQ.dtype.element_ty), pid_m * BLOCK_M, L_Q,
+                stride_dqm, stride_dqd, D_QK, BLOCK_M, BLOCK_DQK, DESCRIPTORS)
 
 
 KERNELS = {
@@ -1015,17 +1058,19 @@ KERNELS = {
 # Configurations
 # ---------------------------------------------------------------------------------------------------
 
-# Kernels with a tensor-descriptor variant (DESCRIPTORS and WARP_SPECIALIZE constexprs), and the devices that
-# run it: TMA, from Hopper on.
-DESCRIPTOR_KERNELS = ("fwd",)
+# Kernels with a tensor-descriptor variant (the DESCRIPTORS constexpr), those of them whose key loop may be
+# warp-specialized too (WARP_SPECIALIZE), and the devices that run them: TMA, from Hopper on.
+DESCRIPTOR_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+WARP_SPECIALIZED_KERNELS = ("fwd",)
 DESCRIPTOR_CAPABILITY = (9, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Tile sizes and launch options of one kernel; BLOCK_M tiles queries, BLOCK_N keys. For the kernels of
-    DESCRIPTOR_KERNELS also the variant: Q, K, V and O through tensor descriptors (`descriptors`), and its key
-    loop warp-specialized (`warp_specialize`, with descriptors only)."""
+    DESCRIPTOR_KERNELS also the variant: the (L, D) tiles of Q, K, V and O, or of the backward's dO, dQ, dK and dV,
+    through tensor descriptors (`descriptors`), and, for WARP_SPECIALIZED_KERNELS, the key loop warp-specialized
+    (`warp_specialize`, with descriptors only)."""
 
     block_m: int
     block_n: int
@@ -1042,7 +1087,9 @@ class KernelConfig:
         """The config's constexpr arguments of `kernel`."""
         values = {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
         if kernel in DESCRIPTOR_KERNELS:
-            values.update(DESCRIPTORS=self.descriptors, WARP_SPECIALIZE=self.warp_specialize)
+            values.update(DESCRIPTORS=self.descriptors)
+        if kernel in WARP_SPECIALIZED_KERNELS:
+            values.update(WARP_SPECIALIZE=self.warp_specialize)
         return values
 
     def triton_config(self, kernel: str) -> triton.Config:
@@ -1603,7 +1650,8 @@ def _autotuned(kernel: str, descriptors: bool = False):
         chosen = [default] + [c for c in near if c != default]
         if descriptors:
             variants = [dataclasses.replace(c, descriptors=True) for c in chosen]
-            if triton_compat.warp_specialization() and warp_specializable(constexprs):
+            if kernel in WARP_SPECIALIZED_KERNELS and triton_compat.warp_specialization() \
+                    and warp_specializable(constexprs):
                 variants.append(dataclasses.replace(default, descriptors=True, warp_specialize=True))
             chosen = variants if descriptor_mode() == "on" else chosen + variants
         return [c.triton_config(kernel) for c in chosen]
@@ -1629,9 +1677,9 @@ _DESCRIPTOR_MODES = {"": "auto", "auto": "auto", "1": "on", "0": "off"}
 
 
 def descriptor_mode() -> str:
-    """FUSED_ATTN_TRITON_DESCRIPTORS: "auto" (unset) makes the forward's tensor-descriptor variant extra autotuning
-    candidates on devices of DESCRIPTOR_CAPABILITY, pointers running elsewhere, at fixed configs and in the
-    interpreter; "1" ("on") runs the variant in every forward launch it can serve (the interpreter's tests of it);
+    """FUSED_ATTN_TRITON_DESCRIPTORS: "auto" (unset) makes the tensor-descriptor variants (DESCRIPTOR_KERNELS)
+    extra autotuning candidates on devices of DESCRIPTOR_CAPABILITY, pointers running elsewhere, at fixed configs and
+    in the interpreter; "1" ("on") runs the variant in every launch it can serve (the interpreter's tests of it);
     "0" ("off") never."""
     value = os.environ.get(DESCRIPTORS_VARIABLE, "").strip().lower()
     if value not in _DESCRIPTOR_MODES:
@@ -1679,7 +1727,7 @@ def descriptors_unavailable(device: torch.device) -> str | None:
 def descriptor_refusals(tensors: dict[str, torch.Tensor], pages: Pages | None = None,
                         sequences: Sequences | None = None) -> list[str]:
     """Why a kernel cannot read and write `tensors` ({name: (B, H, L, D) tensor}, e.g. the forward's query, key,
-    value and out) through tensor descriptors (`_rows_descriptor`) in this call (empty: it can):
+    value and out, or the backward's, `backward_tensors`) through tensor descriptors (`_rows_descriptor`) in this call (empty: it can):
     `descriptors_unavailable`, what a descriptor cannot follow, and each tensor's layout (`_layout_refusal`).
     Everything else (masks, padding, dropout, ALiBi, sinks, mask programs) is read through pointers in both
     variants."""
@@ -1695,6 +1743,22 @@ def descriptor_refusals(tensors: dict[str, torch.Tensor], pages: Pages | None = 
         if (refusal := _layout_refusal(name, tensor)) is not None:
             reasons.append(refusal)
     return reasons
+
+
+def backward_tensors(query, key, value, grad_out, grads) -> dict[str, torch.Tensor]:
+    """What the backward's dK/dV and dQ kernels read and write through descriptors, by name: `grads` is (dq, dk,
+    dv)."""
+    return dict(query=query, key=key, value=value, grad_out=grad_out, grad_query=grads[0], grad_key=grads[1],
+                grad_value=grads[2])
+
+
+def _served(name: str, tensors, pages, sequences) -> list[str]:
+    """`descriptor_refusals` of a call, logged (debug) when the descriptor variant of `name` cannot serve it."""
+    refusals = descriptor_refusals(tensors, pages, sequences)
+    if refusals and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("fused_attn: the triton %s's descriptor variant cannot serve this call: %s", name,
+                     "; ".join(refusals))
+    return refusals
 
 
 def _launch(kernel: str, programs_along, args, constexprs, tensor, descriptors: bool = False):
@@ -1717,7 +1781,7 @@ def _launch(kernel: str, programs_along, args, constexprs, tensor, descriptors: 
                 lines = str(error).strip().splitlines() or [""]
                 _descriptor_failure.append(f"triton could not build the descriptor variant "
                                            f"({type(error).__name__}: {lines[0]})")
-                logger.warning("fused_attn: %s; the triton forward runs through pointers from now on",
+                logger.warning("fused_attn: %s; the triton kernels run through pointers from now on",
                                _descriptor_failure[0])
         _autotuned(kernel)[grid](*args, **constexprs)
         return
@@ -1767,10 +1831,7 @@ def _forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, o
                                     out, lse, dropout, variant, sequences, pages)
     batch, heads_q = query.shape[:2]
     len_q = query.shape[2] if sequences is None else sequences.max_seqlen_q
-    refusals = descriptor_refusals(dict(query=query, key=key, value=value, out=out), pages, sequences)
-    if refusals and logger.isEnabledFor(logging.DEBUG):
-        logger.debug("fused_attn: the triton forward's descriptor variant cannot serve this call: %s",
-                     "; ".join(refusals))
+    refusals = _served("forward", dict(query=query, key=key, value=value, out=out), pages, sequences)
     with _on_device(query):
         _launch("fwd", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query,
                 descriptors=not refusals)
@@ -1800,14 +1861,18 @@ def _backward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, 
     KERNELS["bwd_preprocess"][grid](*args, **constexprs, num_warps=PREPROCESS_WARPS, num_stages=1)
 
     grad_query, grad_key, grad_value = grads
+    # One verdict for both kernels, which read and write these tensors between them.
+    refusals = _served("backward", backward_tensors(query, key, value, grad_out, grads), None, sequences)
     args, constexprs = backward_args("bwd_dkdv", query, key, value, attn_mask, key_padding_mask, is_causal,
                                      scale, grad_out, lse, delta, (grad_key, grad_value), dropout, grad_mask,
                                      variant, sequences)
-    _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query)
+    _launch("bwd_dkdv", lambda m, n: triton.cdiv(len_k, n) * batch * heads_kv, args, constexprs, query,
+            descriptors=not refusals)
     args, constexprs = backward_args("bwd_dq", query, key, value, attn_mask, key_padding_mask, is_causal,
                                      scale, grad_out, lse, delta, (grad_query,), dropout, variant=variant,
                                      sequences=sequences)
-    _launch("bwd_dq", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query)
+    _launch("bwd_dq", lambda m, n: triton.cdiv(len_q, m) * batch * heads_q, args, constexprs, query,
+            descriptors=not refusals)
 
 
 def longest(cu_seqlens: torch.Tensor, given: int) -> int:
