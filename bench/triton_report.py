@@ -17,9 +17,10 @@ UTCHMMA — Blackwell's tcgen05.mma on fp16/bf16 operands — on sm_100; the dec
 warp-level HMMA on both). Shared memory is Triton's dynamic allocation from the kernel metadata plus any
 static shared memory.
 
-The forward's tensor-descriptor variant (`triton_kernels` DESCRIPTORS: Q, K, V and O through
-`tl.make_tensor_descriptor`) has rows of its own for sm_90 and sm_100, plain and warp-specialized ("fwd_desc",
-"fwd_desc_ws"), over what it serves (no packed batch, no paged cache); they add the TMA instructions of the
+The tensor-descriptor variants (`triton_kernels` DESCRIPTORS: the forward's Q, K, V and O, the backward's Q, K, V,
+dO, dQ, dK and dV through `tl.make_tensor_descriptor`) have rows of their own for sm_90 and sm_100, the forward's
+plain and warp-specialized ("fwd_desc", "fwd_desc_ws"), the backward's dK/dV and dQ ("bwd_dkdv_desc",
+"bwd_dq_desc"), over what they serve (no packed batch, no paged cache); they add the TMA instructions of the
 SASS (UTMALDG loads must be there, UTMASTG stores), the global scratch memory the descriptors take per program,
 whether Triton split the key loop into warp-specialized partitions (its TTGIR holds `ttg.warp_specialize`) and
 the warps a launch then takes.
@@ -76,11 +77,15 @@ def config_arch(target: str) -> str:
 
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
-# The forward's tensor-descriptor variants (triton_kernels.DESCRIPTOR_KERNELS), as report rows of their own: the
-# forward kernel at its default config with Q, K, V and O through tensor descriptors ("fwd_desc"), and with its key
-# loop warp-specialized too ("fwd_desc_ws"), compiled for the targets with TMA. Their SASS must hold TMA loads
+# The tensor-descriptor variants (triton_kernels.DESCRIPTOR_KERNELS), as report rows of their own, each {name: (the
+# kernel, its config's switches)}: the forward at its default config with Q, K, V and O through tensor descriptors
+# ("fwd_desc"), and with its key loop warp-specialized too ("fwd_desc_ws"); the dK/dV and dQ kernels with Q, K, V,
+# dO and their gradients through descriptors; compiled for the targets with TMA. Their SASS must hold TMA loads
 # (UTMALDG).
-DESCRIPTOR_VARIANTS = {"fwd_desc": dict(descriptors=True), "fwd_desc_ws": dict(descriptors=True, warp_specialize=True)}
+DESCRIPTOR_VARIANTS = {"fwd_desc": ("fwd", dict(descriptors=True)),
+                       "fwd_desc_ws": ("fwd", dict(descriptors=True, warp_specialize=True)),
+                       "bwd_dkdv_desc": ("bwd_dkdv", dict(descriptors=True)),
+                       "bwd_dq_desc": ("bwd_dq", dict(descriptors=True))}
 DESCRIPTOR_TARGETS = ("sm_90", "sm_100")
 # The operation of Triton's GPU dialect holding the partitions of a warp-specialized loop.
 WARP_SPECIALIZE_OP = re.compile(r"\bttg\.warp_specialize\b")
@@ -130,11 +135,16 @@ VARIANTS = ((False, False, False, False), (True, False, False, False), (True, Tr
 PROGRAM_VARIANTS = ((True, False, False, PROGRAM), (True, True, False, PROGRAM))
 
 
+def base_kernel(kernel: str) -> str:
+    """The kernel a report row compiles: a descriptor variant's, or the row's own."""
+    return DESCRIPTOR_VARIANTS[kernel][0] if kernel in DESCRIPTOR_VARIANTS else kernel
+
+
 def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     if kernel == "fwd_desc_ws":  # what the autotuner offers it for (triton_kernels.warp_specializable)
         return VARIANTS[:3]
     if kernel in DESCRIPTOR_VARIANTS:  # what a descriptor serves: no packed batch, no paged cache
-        return (*VARIANTS[:4], *PROGRAM_VARIANTS)
+        return tuple(v for v in variants(base_kernel(kernel)) if v[3] not in (PACKED, *PAGED_CACHES))
     if kernel == "bwd_dkdv":
         return (*VARIANTS, (True, True, True, False), (True, True, True, True), *PROGRAM_VARIANTS)
     if kernel == "decode":  # no dropout (calls with dropout take the long-query kernels), no packing
@@ -283,12 +293,10 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
                                                           variant)
             fixed = _fixed(constexprs, triton_decode.COMBINE_WARPS, 1, block_n=False)
         return triton_decode.KERNELS[kernel], args, constexprs, fixed, dtype
-    if kernel == "fwd" or kernel in DESCRIPTOR_VARIANTS:
+    if base_kernel(kernel) == "fwd":
         args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant, sequences,
                                            pages)
-        served = dict(query=q, key=k, value=v, out=out)
-        if kernel in DESCRIPTOR_VARIANTS and (refusals := tk.descriptor_refusals(served, pages, sequences)):
-            raise ValueError(f"{kernel}: the representative call is one it cannot serve: {refusals}")
+        _check_served(kernel, dict(query=q, key=k, value=v, out=out), pages, sequences)
         return tk.KERNELS["fwd"], args, constexprs, None, dtype
     elif kernel == "bwd_preprocess":
         args, constexprs = tk.preprocess_args(out, grad_out, None, delta, sequences)
@@ -296,10 +304,21 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
     else:
         def gradient(like):  # laid out as a launch lays out its gradients
             return tensor() if packed else torch.empty_like(like)
-        grads = (gradient(k), gradient(v)) if kernel == "bwd_dkdv" else (gradient(q),)
-        args, constexprs = tk.backward_args(kernel, q, k, v, bias, padding, causal, scale, grad_out, lse, delta,
-                                            grads, drop, grad_bias, variant, sequences)
-    return tk.KERNELS[kernel], args, constexprs, None, dtype
+        base = base_kernel(kernel)
+        grads = (gradient(q), gradient(k), gradient(v))
+        _check_served(kernel, tk.backward_tensors(q, k, v, grad_out, grads), None, sequences)
+        args, constexprs = tk.backward_args(base, q, k, v, bias, padding, causal, scale, grad_out, lse, delta,
+                                            grads[1:] if base == "bwd_dkdv" else grads[:1], drop, grad_bias, variant,
+                                            sequences)
+        return tk.KERNELS[base], args, constexprs, None, dtype
+
+
+def _check_served(kernel, tensors, pages, sequences):
+    """A descriptor variant's row must be of a call the variant serves (`descriptor_refusals`)."""
+    from fused_attn.backends import triton_kernels as tk
+
+    if kernel in DESCRIPTOR_VARIANTS and (refusals := tk.descriptor_refusals(tensors, pages, sequences)):
+        raise ValueError(f"{kernel}: the representative call is one it cannot serve: {refusals}")
 
 
 def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool, kernel: str = "fwd") -> dict:
@@ -356,10 +375,10 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     fn, args, constexprs, fixed, dtype = _representative_call(kernel, dtype_name, head_dim, causal,
                                                               dropout, bias_grad, scores, target)
     if fixed is None:
-        base = "fwd" if kernel in DESCRIPTOR_VARIANTS else kernel
+        base = base_kernel(kernel)
         config = tk.default_config(base, config_arch(target), tk.padded_head_dim(head_dim), dtype.itemsize,
                                    constexprs)
-        config = dataclasses.replace(config, **DESCRIPTOR_VARIANTS.get(kernel, {}))
+        config = dataclasses.replace(config, **DESCRIPTOR_VARIANTS[kernel][1] if kernel in DESCRIPTOR_VARIANTS else {})
         constexprs = dict(constexprs, **config.constexprs(base))
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         config_text = str(config)

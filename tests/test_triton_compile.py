@@ -8,10 +8,10 @@ and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decod
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
 sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for the decode kernel's 16-row tiles), and shared memory fits
-the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The forward's tensor-descriptor variant, plain and
-warp-specialized, is compiled for sm_90 and sm_100 too, and its SASS must hold TMA loads (UTMALDG), which no
-pointer kernel has. The rows are the triton rows of `python -m bench.inspect --json`, run once per test session
-(the `static_gpu_report` fixture of conftest.py; 516 Triton compilations, beside the CUDA report that
+the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's plain
+and warp-specialized and the backward's dK/dV and dQ, are compiled for sm_90 and sm_100 too, and their SASS must
+hold TMA loads (UTMALDG), which no pointer kernel has. The rows are the triton rows of `python -m bench.inspect --json`, run once per test session
+(the `static_gpu_report` fixture of conftest.py; 628 Triton compilations, beside the CUDA report that
 tests/test_cuda_compile.py reads).
 """
 
@@ -112,14 +112,15 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
     from fused_attn.backends import triton_kernels as tk
 
     for (kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores), row in rows.items():
-        base = "fwd" if kernel in triton_report.DESCRIPTOR_VARIANTS else kernel
+        base = triton_report.base_kernel(kernel)
         if kernel not in triton_report.MATMUL_KERNELS or base not in tk.KERNELS:  # decode: a fixed config
             continue
         # The launch's own constexprs: the tiles can depend on any feature (sm_100's on the score variants too).
         _, _, features, _, _ = triton_report._representative_call(kernel, dtype, head_dim, causal, dropout, bias_grad,
                                                                   scores, target)
         config = tk.default_config(base, triton_report.config_arch(target), head_dim, 2, features)
-        config = dataclasses.replace(config, **triton_report.DESCRIPTOR_VARIANTS.get(kernel, {}))
+        if kernel in triton_report.DESCRIPTOR_VARIANTS:
+            config = dataclasses.replace(config, **triton_report.DESCRIPTOR_VARIANTS[kernel][1])
         assert str(config) == row["config"]
         estimate = tk.shared_memory_estimate(base, config, head_dim, head_dim, 2, dropout)
         assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,

@@ -1,10 +1,10 @@
 """The Triton releases fused_attn supports, and what differs between them, in one place.
 
 The kernels are written with the language of every supported release (plain pointer arithmetic: no
-block pointers, which 3.9 removed), so they need little from here. The forward's tensor-descriptor
-variant (`tl.make_tensor_descriptor`, TMA on sm_90 and later; every supported release has it) is an extra
-candidate where `tensor_descriptors()` finds it, with `tl.range`'s warp specialization where
-`warp_specialization()` does. What else differs is what lies around the kernels: how the static report
+block pointers, which 3.9 removed), so they need little from here. The tensor-descriptor variants of the
+forward and the backward's dK/dV and dQ kernels (`tl.make_tensor_descriptor`, TMA on sm_90 and later; every
+supported release has it) are extra candidates where `tensor_descriptors()` finds it, the forward's with
+`tl.range`'s warp specialization where `warp_specialization()` does. What else differs is what lies around the kernels: how the static report
 specialises a kernel's arguments for ahead-of-time compilation, and where the global scratch memory of
 descriptors made on the device comes from (`scratch_allocator`). Each difference is detected by what the
 installed Triton offers, not by comparing version numbers, so a release between the tested ones works too.
@@ -85,8 +85,8 @@ DESCRIPTORS_FROM = (3, 7)
 
 
 def tensor_descriptors() -> str | None:
-    """Why the forward's tensor-descriptor variant is not offered with the installed Triton, or None: it has no
-    tensor descriptors made on the device (`tl.make_tensor_descriptor`), or is older than DESCRIPTORS_FROM."""
+    """Why the tensor-descriptor variants (forward, dK/dV, dQ) are not offered with the installed Triton, or None: it
+    has no tensor descriptors made on the device (`tl.make_tensor_descriptor`), or is older than DESCRIPTORS_FROM."""
     import triton.language as tl
 
     found = release()
@@ -94,8 +94,8 @@ def tensor_descriptors() -> str | None:
     if not hasattr(tl, "make_tensor_descriptor"):
         return f"{name} has no tl.make_tensor_descriptor"
     if found is not None and found < DESCRIPTORS_FROM:
-        return (f"{name}: the descriptor forward is offered from triton {DESCRIPTORS_FROM[0]}.{DESCRIPTORS_FROM[1]} on "
-                f"(it spilled registers on {name})")
+        return (f"{name}: the descriptor variants are offered from triton "
+                f"{DESCRIPTORS_FROM[0]}.{DESCRIPTORS_FROM[1]} on (the forward's spilled registers on {name})")
     return None
 
 

@@ -64,15 +64,14 @@ Tensor descriptors (DESCRIPTORS; `tl.make_tensor_descriptor`, TMA on sm_90 and l
 kernel that reads Q, K and V and writes O, and of the backward's dK/dV and dQ kernels that read Q, K, V and dO and
 write dK, dV and dQ, through descriptors of each (batch row, head)'s (L, D) matrix, made on the device
 (`_rows_descriptor`), instead of pointer tiles; everything else, scores, masks, padding, dropout, sinks, mask
-programs, the log-sum-exp, delta and a learned bias's gradient, is the same code and goes through pointers. TMA zero-fills rows and
-columns past a matrix's end, as the pointer loads' masks do; key padding, which a descriptor cannot skip, is zeroed
-after the load (`_descriptor_rows`). WARP_SPECIALIZE adds Triton's automatic warp specialization of the forward's
-key loop.
-The variant is an extra autotuning candidate on devices of DESCRIPTOR_CAPABILITY, beside the pointer configs,
-never the only one, for calls whose layouts TMA can read and that it serves (`descriptor_refusals`: a paged cache
-and packed batches keep pointers; the backward's two kernels take it together, when every tensor of both allows);
-if Triton cannot compile it, the kernels go back to pointers for the process.
-FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it wherever it serves a call (the interpreter's tests), =0 never
+programs, the log-sum-exp, delta and a learned bias's gradient, is the same code and goes through pointers. TMA
+zero-fills rows and columns past a matrix's end, as the pointer loads' masks do; key padding, which a descriptor
+cannot skip, is zeroed after the load (`_descriptor_rows`). WARP_SPECIALIZE adds Triton's automatic warp
+specialization of the forward's key loop. The variant is an extra autotuning candidate on devices of
+DESCRIPTOR_CAPABILITY, beside the pointer configs, never the only one, for calls whose layouts TMA can read and that
+it serves (`descriptor_refusals`: a paged cache and packed batches keep pointers; the backward's two kernels take it
+together, when every tensor of both allows); if Triton cannot compile it, the kernels go back to pointers for the
+process. FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it wherever it serves a call (the interpreter's tests), =0 never
 (`descriptor_mode`). It is offered from Triton 3.7 on, its warp-specialized form from 3.9 on (the releases where
 the static report compiles them without spills; triton_compat). Descriptors made on the device take global
 scratch memory, 128 bytes each per program, which triton_compat.scratch_allocator gives from torch's allocator.
@@ -881,12 +880,12 @@ def _attn_bwd_dkdv(
                         HAS_MASK_GRAD, PRECISION, DESCRIPTORS, BLOCK_M, BLOCK_N)
         else:
             dk, dv = _attn_dkdv_queries(
-                dk, dv, lo, hi, PROGRAM_FULL, k, v, key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h, q_base,
-                do_base, q_desc, do_desc, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm, stride_qd,
-                stride_gm, stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q,
-                qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N, D_QK, D_V,
-                MASK_KIND, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD, PRECISION,
-                DESCRIPTORS, BLOCK_M, BLOCK_N)
+                dk, dv, lo, hi, PROGRAM_FULL, k, v, key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h,
+                q_base, do_base, q_desc, do_desc, lse_base, delta_base, mask_base, DMASK, RNG, BITS, stride_qm,
+                stride_qd, stride_gm, stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn,
+                H_Q, L_Q, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N,
+                D_QK, D_V, MASK_KIND, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD,
+                PRECISION, DESCRIPTORS, BLOCK_M, BLOCK_N)
 
     dk = dk * sm_scale
     if HAS_DROPOUT:
@@ -1178,6 +1177,8 @@ _PROGRAM_DEFAULTS = {
     ("fwd", "sm_90", 64, False): _K(128, 64, 8, 3),  # the table's (128, 64, 4, 3) spills
     ("fwd", "sm_90", 64, True): _K(128, 32, 8, 3),  # the dropout table's (128, 32, 4, 3) spills
     ("fwd", "sm_90", 128, True): _K(128, 32, 8, 3),  # the table's (128, 64, 8, 3) spills, (64, 64, 4, 3) too
+    ("bwd_dkdv", "sm_90", 64, False): _K(64, 64, 8, 2),  # the table's (64, 64, 4, 2) spills through descriptors
+    ("bwd_dkdv", "sm_90", 64, True): _K(32, 64, 8, 2),  # the dropout table's (32, 64, 4, 2) too
     ("bwd_dkdv", "sm_90", 128, False): _K(32, 64, 8, 2),  # the table's (32, 64, 4, 2) spills
     ("bwd_dq", "sm_80", 128, False): _K(32, 64, 8, 2),
     ("bwd_dq", "sm_80", 128, True): _K(32, 64, 8, 2),  # the table's (64, 64, 8, 2) spills
@@ -1193,8 +1194,10 @@ _BLACKWELL_DEFAULTS = {
     # sm_90's (128, 64, 4, 3) spills; with a program and dropout, (128, 32, 8, 3)'s descriptor variant does.
     ("fwd", 64): ((("SCORES",), _K(128, 32, 4, 3)), (("KV8",), _K(128, 32, 4, 3)),
                   (("HAS_PROGRAM", "HAS_DROPOUT"), _K(128, 32, 4, 3))),
-    ("bwd_dkdv", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(16, 64, 4, 2)),),  # (32, 64, 4, 2) spills
-    ("bwd_dkdv", 128): ((("HAS_MASK_GRAD", "HAS_DROPOUT", "SCORES"), _K(16, 64, 4, 2)),),  # (16, 64, 8, 2) spills
+    # (32, 64, 4, 2) spills with dropout; without, sm_90's (64, 64, 8, 2) has 128 registers a thread here and spills.
+    ("bwd_dkdv", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(16, 64, 4, 2)), (("HAS_PROGRAM",), _K(64, 64, 4, 2))),
+    # (16, 64, 8, 2) spills, through descriptors without the score variants too.
+    ("bwd_dkdv", 128): ((("HAS_MASK_GRAD", "HAS_DROPOUT"), _K(16, 64, 4, 2)),),
     ("bwd_dq", 64): ((("VARLEN", "HAS_DROPOUT"), _K(64, 32, 4, 2)),),  # (64, 64, 4, 2) spills
     ("bwd_dq", 128): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(64, 32, 8, 2)),),  # (64, 32, 4, 2) spills
 }
@@ -1727,8 +1730,9 @@ def descriptors_unavailable(device: torch.device) -> str | None:
 def descriptor_refusals(tensors: dict[str, torch.Tensor], pages: Pages | None = None,
                         sequences: Sequences | None = None) -> list[str]:
     """Why a kernel cannot read and write `tensors` ({name: (B, H, L, D) tensor}, e.g. the forward's query, key,
-    value and out, or the backward's, `backward_tensors`) through tensor descriptors (`_rows_descriptor`) in this call (empty: it can):
-    `descriptors_unavailable`, what a descriptor cannot follow, and each tensor's layout (`_layout_refusal`).
+    value and out, or the backward's, `backward_tensors`) through tensor descriptors (`_rows_descriptor`) in this
+    call (empty: it can): `descriptors_unavailable`, what a descriptor cannot follow, and each tensor's layout
+    (`_layout_refusal`).
     Everything else (masks, padding, dropout, ALiBi, sinks, mask programs) is read through pointers in both
     variants."""
     first = next(iter(tensors.values()))
