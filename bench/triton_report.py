@@ -60,7 +60,7 @@ NARROW_TILE_KERNELS = ("decode",)
 
 
 def tensor_core_prefix(kernel: str, target: str) -> str:
-    return "HMMA" if kernel in NARROW_TILE_KERNELS else TENSOR_CORE_PREFIX[target]
+    return "HMMA" if base_kernel(kernel) in NARROW_TILE_KERNELS else TENSOR_CORE_PREFIX[target]
 
 
 def capability(target: str) -> tuple[int, int]:
@@ -80,12 +80,14 @@ HEAD_DIMS = (64, 128)
 # The tensor-descriptor variants (triton_kernels.DESCRIPTOR_KERNELS), as report rows of their own, each {name: (the
 # kernel, its config's switches)}: the forward at its default config with Q, K, V and O through tensor descriptors
 # ("fwd_desc"), and with its key loop warp-specialized too ("fwd_desc_ws"); the dK/dV and dQ kernels with Q, K, V,
-# dO and their gradients through descriptors; compiled for the targets with TMA. Their SASS must hold TMA loads
+# dO and their gradients through descriptors; the split-KV decode kernel with a dense cache's K and V through
+# descriptors, at its fixed config; compiled for the targets with TMA. Their SASS must hold TMA loads
 # (UTMALDG).
 DESCRIPTOR_VARIANTS = {"fwd_desc": ("fwd", dict(descriptors=True)),
                        "fwd_desc_ws": ("fwd", dict(descriptors=True, warp_specialize=True)),
                        "bwd_dkdv_desc": ("bwd_dkdv", dict(descriptors=True)),
-                       "bwd_dq_desc": ("bwd_dq", dict(descriptors=True))}
+                       "bwd_dq_desc": ("bwd_dq", dict(descriptors=True)),
+                       "decode_desc": ("decode", dict(descriptors=True))}
 DESCRIPTOR_TARGETS = ("sm_90", "sm_100")
 # The operation of Triton's GPU dialect holding the partitions of a warp-specialized loop.
 WARP_SPECIALIZE_OP = re.compile(r"\bttg\.warp_specialize\b")
@@ -281,18 +283,20 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
             scales = [torch.empty((blocks, PAGE_SIZE, heads) if layout == "token" else (batch, heads))
                       for _ in range(2)]
         pages = tk.Pages(torch.empty(batch, length // PAGE_SIZE, dtype=torch.int32), PAGE_SIZE, *scales)
-    if kernel in triton_decode.KERNELS:  # one query row per head against the keys, in 4 splits
+    if base_kernel(kernel) in triton_decode.KERNELS:  # one query row per head against the keys, in 4 splits
         q1 = q[:, :, :1]
         part_o, part_lse = triton_decode.workspace(q1, k, v, 4)
-        if kernel == "decode":
+        if base_kernel(kernel) == "decode":
             args, constexprs = triton_decode.decode_args(q1, k, v, None, padding, causal, scale, variant, 4,
                                                          part_o, part_lse, pages)
+            _check_served(kernel, dict(key=k, value=v), pages, None)
+            constexprs["DESCRIPTORS"] = kernel in DESCRIPTOR_VARIANTS
             fixed = _fixed(constexprs, triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES)
         else:
             args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4,
                                                           variant)
             fixed = _fixed(constexprs, triton_decode.COMBINE_WARPS, 1, block_n=False)
-        return triton_decode.KERNELS[kernel], args, constexprs, fixed, dtype
+        return triton_decode.KERNELS[base_kernel(kernel)], args, constexprs, fixed, dtype
     if base_kernel(kernel) == "fwd":
         args, constexprs = tk.forward_args(q, k, v, None, padding, causal, scale, out, lse, drop, variant, sequences,
                                            pages)

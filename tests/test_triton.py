@@ -1406,6 +1406,33 @@ def test_descriptor_kernels_match_reference(name, dtype, rotation, generator, mo
     testing.check_inputs(results, inputs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_descriptor_decode_matches_reference(name, dtype, generator, monkeypatch):
+    """The split-KV decode kernel reads a dense cache's K and V through descriptors wherever `descriptor_refusals`
+    finds nothing for them (three splits, so that a block reads keys of the next split), by the same criterion."""
+    from fused_attn.backends import triton_decode
+
+    monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "1")
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
+    inputs = descriptor_inputs(DECODE_CASES[name], dtype, 1, generator)
+    assert triton_decode.takes(inputs.query, inputs.key, inputs.value, None)
+    refusals = tk.descriptor_refusals(dict(key=inputs.key, value=inputs.value))
+    variants = {}
+    monkeypatch.setattr(triton_decode, "_attn_decode", _Recording("decode", triton_decode._attn_decode, variants))
+    results = run_backend(inputs)
+    assert variants["decode"] == [not refusals], refusals
+    testing.check_inputs(results, inputs)
+
+
+@needs_descriptors
+def test_descriptor_decode_serves_the_dense_cases(generator):
+    """The decode matrix above runs the descriptor variant in every case, not the fallback."""
+    for name, case in DECODE_CASES.items():
+        inputs = descriptor_inputs(case, torch.float16, 1, generator)
+        assert tk.descriptor_refusals(dict(key=inputs.key, value=inputs.value)) == [], name
+
+
 @needs_descriptors
 @pytest.mark.parametrize("tensors", [forward_tensors, backward_tensors], ids=["forward", "backward"])
 def test_descriptor_variants_serve_most_cases(tensors, generator):

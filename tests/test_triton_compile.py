@@ -9,10 +9,10 @@ bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles,
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
 sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for the decode kernel's 16-row tiles), and shared memory fits
 the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's plain
-and warp-specialized and the backward's dK/dV and dQ, are compiled for sm_90 and sm_100 too, and their SASS must
-hold TMA loads (UTMALDG), which no pointer kernel has. The rows are the triton rows of `python -m bench.inspect --json`, run once per test session
-(the `static_gpu_report` fixture of conftest.py; 628 Triton compilations, beside the CUDA report that
-tests/test_cuda_compile.py reads).
+and warp-specialized, the backward's dK/dV and dQ and the decode kernel's, are compiled for sm_90 and sm_100
+too, and their SASS must hold TMA loads (UTMALDG), which no pointer kernel has. The rows are the triton rows of
+`python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of conftest.py; 644
+Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations

@@ -18,10 +18,17 @@ windows, either alignment), softcap and ALiBi are read as the long-query kernels
 `_in_band`, `_variant_scores`), attention sinks by the combine; dropout and mask programs are not (calls
 with either take the long-query kernels). A paged cache's blocks are read through its block table, an 8-bit
 one dequantized where its tiles are loaded, as the long-query forward does (KV8, TOKEN_SCALES).
+
+A dense cache's K and V may be read through tensor descriptors (DESCRIPTORS, TMA on sm_90 and later, as
+`triton_kernels`' variants): on such devices both variants are the candidates of a small autotuner, elsewhere and in
+the interpreter the pointer one runs unless FUSED_ATTN_TRITON_DESCRIPTORS=1; a paged cache and layouts TMA cannot
+read keep pointers (`triton_kernels.descriptor_refusals`). The query rows of a group and the workspace stay on
+pointers: the rows come from several heads, and both are small beside the keys.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -30,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ..scores import PLAIN
+from . import triton_compat
 from . import triton_kernels as tk
 
 MIN_KEYS_PER_SPLIT = 256
@@ -52,7 +60,7 @@ def _attn_decode(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, KV8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One split of the keys for one key/value head's query group. The workspace is PART_O
     (B, H_kv, SPLITS, BLOCK_M, BLOCK_DV) and PART_LSE (B, H_kv, SPLITS, BLOCK_M), contiguous, fp32. An 8-bit
@@ -75,6 +83,11 @@ def _attn_decode(
                 + offs_dqk[None, :] * stride_qd, mask=row_ok[:, None] & (offs_dqk[None, :] < D_QK), other=0.0)
     k_base = K + off_hkv * stride_kh
     v_base = V + off_hkv * stride_vh
+    k_desc = k_base  # the descriptors of a dense cache, with DESCRIPTORS (unused otherwise)
+    v_desc = v_base
+    if DESCRIPTORS:
+        k_desc = tk._rows_descriptor(k_base + off_b * stride_kb, L_K, stride_kn, D_QK, BLOCK_N, BLOCK_DQK)
+        v_desc = tk._rows_descriptor(v_base + off_b * stride_vb, L_K, stride_vn, D_V, BLOCK_N, BLOCK_DV)
     ks_base = KS + off_hkv * stride_ksh
     vs_base = VS + off_hkv * stride_vsh
     if KV8:
@@ -104,8 +117,11 @@ def _attn_decode(
             col_ok = col_ok & (offs_n >= span_first)
         k_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_kb, stride_kn, stride_tb, PAGE_SIZE, PAGED)
         v_rows = tk._key_offsets(PAGES, off_b, offs_n, col_ok, stride_vb, stride_vn, stride_tb, PAGE_SIZE, PAGED)
-        k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
-                      mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
+        if DESCRIPTORS:  # a block reads the next split's keys too: zeroed, as the pointer loads' masks leave them
+            k_t = tl.trans(tk._descriptor_rows(k_desc, start_n, col_ok, True))
+        else:
+            k_t = tl.load(k_base + k_rows[None, :] + offs_dqk[:, None] * stride_kd,
+                          mask=col_ok[None, :] & (offs_dqk[:, None] < D_QK), other=0.0)
         key_scale = qk_scale
         if KV8:
             k_t = tk._cache_values(k_t, q.dtype)
@@ -118,8 +134,11 @@ def _attn_decode(
                                   LEFT, RIGHT, PART_LSE, tk.PROGRAM_FULL, start_n, MASK_KIND, HAS_KPM, BANDED,
                                   SOFTCAP, HAS_ALIBI, False, PRECISION)
         p, alpha, m_new, l_i = tk._online_softmax(s, m_i, l_i)
-        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
+        if DESCRIPTORS:
+            v = tk._descriptor_rows(v_desc, start_n, col_ok, True)
+        else:
+            v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :] * stride_vd,
+                        mask=col_ok[:, None] & (offs_dv[None, :] < D_V), other=0.0)
         if KV8:
             v = tk._dequantized_values(v, q.dtype, vs_base, PAGES, off_b, offs_n, col_ok, stride_vsb, stride_vsn,
                                        stride_tb, PAGE_SIZE, tk._bits_factor(V), PAGED, TOKEN_SCALES)
@@ -288,6 +307,30 @@ def workspace(query, key, value, splits):
             torch.empty(batch, heads_kv, splits, rows, **options))
 
 
+@functools.lru_cache(maxsize=None)
+def _autotuned_decode(descriptors_only: bool):
+    """The decode kernel at its fixed config, tuned between its pointer and descriptor variants (the descriptor one
+    alone with FUSED_ATTN_TRITON_DESCRIPTORS=1), keyed on the problem as the long-query kernels are."""
+    configs = [triton.Config({"DESCRIPTORS": d}, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+               for d in ((True,) if descriptors_only else (False, True))]
+    key = ["L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "SOFTCAP", "HAS_ALIBI", "PRECISION"]
+    return triton.autotune(configs=configs, key=key)(_attn_decode)
+
+
+def _launch_decode(grid, args, constexprs, device, descriptors: bool):
+    """The decode kernel: on a GPU whose call the descriptor variant serves (`descriptors`), tuned between it and
+    pointers; else pointers, or descriptors where FUSED_ATTN_TRITON_DESCRIPTORS=1 forces them (the interpreter)."""
+    mode = tk.descriptor_mode()
+    descriptors = descriptors and mode != "off"
+    on_gpu = device.type == "cuda"
+    if descriptors and on_gpu and tk._autotune_enabled() and not tk.interpreting() and tk.tuned_with_descriptors(
+            lambda: _autotuned_decode(mode == "on")[grid](*args, **constexprs), device):
+        return
+    forced = descriptors and mode == "on" and not tk._descriptor_failure
+    with triton_compat.scratch_allocator(device) if forced and on_gpu else contextlib.nullcontext():
+        _attn_decode[grid](*args, **constexprs, DESCRIPTORS=forced, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+
+
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, variant, pages=None) -> torch.Tensor:
     """Writes attention into `out`; returns the fp32 log-sum-exp (B, H_q, L_q). With `pages`
     (triton_kernels.Pages), key and value are the cache's `cache_blocks` views."""
@@ -298,9 +341,10 @@ def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, ou
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=query.device)
     args, constexprs = decode_args(query, key, value, attn_mask, key_padding_mask, is_causal, scale, variant, splits,
                                    part_o, part_lse, pages)
+    grid = (batch * heads_kv * splits,)
     with tk._on_device(query):
-        _attn_decode[(batch * heads_kv * splits,)](*args, **constexprs, num_warps=DECODE_WARPS,
-                                                   num_stages=DECODE_STAGES)
+        _launch_decode(grid, args, constexprs, query.device,
+                       not tk.descriptor_refusals(dict(key=key, value=value), pages))
         args, constexprs = combine_args(part_o, part_lse, out, lse, heads_kv, splits, variant)
         _attn_decode_combine[(batch * heads_q * len_q,)](*args, **constexprs, num_warps=COMBINE_WARPS, num_stages=1)
     return lse

@@ -1765,6 +1765,23 @@ def _served(name: str, tensors, pages, sequences) -> list[str]:
     return refusals
 
 
+def tuned_with_descriptors(launch, device) -> bool:
+    """Runs `launch` (an autotuner over descriptor variants) with the scratch memory descriptors take; whether it
+    ran. A Triton that cannot build the variant leaves it for pointers, in this process from now on."""
+    try:
+        with triton_compat.scratch_allocator(device):
+            launch()
+        return True
+    except (triton.CompilationError, RuntimeError) as error:
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        lines = str(error).strip().splitlines() or [""]
+        _descriptor_failure.append(f"triton could not build the descriptor variant "
+                                   f"({type(error).__name__}: {lines[0]})")
+        logger.warning("fused_attn: %s; the triton kernels run through pointers from now on", _descriptor_failure[0])
+        return False
+
+
 def _launch(kernel: str, programs_along, args, constexprs, tensor, descriptors: bool = False):
     """Runs `kernel`: autotuned on a GPU, at its default config in the interpreter. `descriptors`: the call can run
     the kernel's tensor-descriptor variant (`descriptor_refusals` found nothing), which FUSED_ATTN_TRITON_DESCRIPTORS
@@ -1774,19 +1791,9 @@ def _launch(kernel: str, programs_along, args, constexprs, tensor, descriptors: 
     if tensor.device.type == "cuda" and _autotune_enabled() and not interpreting() and kernel not in _forced:
         def grid(meta):
             return (programs_along(meta["BLOCK_M"], meta["BLOCK_N"]),)
-        if descriptors:
-            try:
-                with triton_compat.scratch_allocator(tensor.device):
-                    _autotuned(kernel, True)[grid](*args, **constexprs)
-                return
-            except (triton.CompilationError, RuntimeError) as error:  # a Triton that cannot build the variant
-                if isinstance(error, torch.OutOfMemoryError):
-                    raise
-                lines = str(error).strip().splitlines() or [""]
-                _descriptor_failure.append(f"triton could not build the descriptor variant "
-                                           f"({type(error).__name__}: {lines[0]})")
-                logger.warning("fused_attn: %s; the triton kernels run through pointers from now on",
-                               _descriptor_failure[0])
+        if descriptors and tuned_with_descriptors(lambda: _autotuned(kernel, True)[grid](*args, **constexprs),
+                                                  tensor.device):
+            return
         _autotuned(kernel)[grid](*args, **constexprs)
         return
     config = _default_for(kernel, tensor, constexprs)
