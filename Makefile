@@ -24,11 +24,12 @@ $(INSTALLED): $(SOURCES)
 	touch $@
 
 # One pytest-xdist worker per core, up to 4 (TEST_WORKERS=0: all in this process); the static GPU report is compiled
-# once per run and shared by the workers (tests/conftest.py).
+# once per run and shared by the workers (tests/conftest.py). The slowest 25 tests are listed at the end: where the
+# suite's time goes.
 TEST_WORKERS ?= auto
 
 test: $(INSTALLED)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup --durations 25 tests
 
 bench: $(INSTALLED)
 	$(PY) -m bench --quick

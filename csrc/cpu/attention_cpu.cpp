@@ -534,14 +534,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(
                                      {"attn_mask", &*attn_mask}, {"grad_out", &grad_out}});
     p.grad_mask = view_of(*grad_mask);
   }
-  // NaN until written: an element the kernel missed shows in every test instead of stale memory
-  // (one pass over O(L·D) memory, negligible next to the O(L²·D) kernel).
-  const double unwritten = std::numeric_limits<double>::quiet_NaN();
   // Laid out like the inputs where they are dense (empty_like's rule, which the fake kernel in
-  // fused_attn/ops.py follows too), contiguous otherwise.
-  at::Tensor grad_query = at::full_like(query, unwritten);
-  at::Tensor grad_key = at::full_like(key, unwritten);
-  at::Tensor grad_value = at::full_like(value, unwritten);
+  // fused_attn/ops.py follows too), contiguous otherwise. Where scratch is poisoned (the tests), NaN until
+  // written: an element the kernel missed shows in every test instead of stale memory. Elsewhere not filled:
+  // the fill is a pass over O(L·D) memory, 11 % of the backward of a narrow window (bench/NOTES.md section 43).
+  const bool poison = env_flag("FUSED_ATTN_CPU_POISON_SCRATCH", false);
+  const auto gradient_like = [poison](const at::Tensor& input) {
+    return poison ? at::full_like(input, std::numeric_limits<double>::quiet_NaN()) : at::empty_like(input);
+  };
+  at::Tensor grad_query = gradient_like(query);
+  at::Tensor grad_key = gradient_like(key);
+  at::Tensor grad_value = gradient_like(value);
   at::Tensor delta = at::empty({p.batch, p.heads_q, p.len_q}, query.options().dtype(stat_dtype));
   p.grad_query = view_of(grad_query);
   p.grad_key = view_of(grad_key);

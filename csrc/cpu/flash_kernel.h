@@ -330,10 +330,11 @@ acc_t row_max_of(const acc_t* s, int64_t n) {
     m3 = at::vec::maximum(m3, V::loadu(s + j + 3 * W));
   }
   for (; j + W <= n; j += W) m0 = at::vec::maximum(m0, V::loadu(s + j));
+  // The ragged end as one masked vector: a row's visible keys end anywhere, and a chain of scalar maxima
+  // cost 4 cycles a key (30 % of this function for a narrow window's rows, bench/NOTES.md section 43).
+  if (j < n) m1 = at::vec::maximum(m1, V::set(V(neg_inf<acc_t>()), V::loadu(s + j, n - j), n - j));
   V vmax = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
-  acc_t mx = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, vmax);
-  for (; j < n; ++j) mx = std::max(mx, s[j]);
-  return mx;
+  return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, vmax);
 }
 
 // Whether the scores need nothing but the scale, which the exp can then apply (a positive scale
@@ -737,11 +738,6 @@ inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
   return at::vec::cast<float>(at::vec::convert_to_int_of_same_size(bits));
 }
 
-// out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
-// their sum. s may hold -inf (hidden keys), which gives 0 in every exp below. P meant for a
-// bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp2_nonpositive,
-// and with kFoldLog2e, log2(e) rides in the scale and shift (one multiply-add for x·scale − shift
-// and the change of base); float and double P take ATen's exp_u20 and std::exp.
 // e where arg >= threshold, else 0.
 inline Vectorized<float> zero_below(Vectorized<float> e, Vectorized<float> arg, Vectorized<float> threshold) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -753,6 +749,68 @@ inline Vectorized<float> zero_below(Vectorized<float> e, Vectorized<float> arg, 
 #endif
 }
 
+// 2W floats a, b as 2W values of dst_t at dst. On the AVX512-BF16 copy bf16 takes one instruction (round to
+// nearest even, as ATen's conversion; denormal inputs become 0) where ATen's conversion, written for AVX512
+// without BF16, takes about ten: 10 % of a bf16 backward of chunks (bench/NOTES.md section 43).
+template <typename dst_t>
+inline void store_pair(dst_t* dst, const Vectorized<float>& a, const Vectorized<float>& b) {
+#if defined(FUSED_ATTN_AVX512_BF16)
+  if constexpr (std::is_same_v<dst_t, c10::BFloat16>) {
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    return;
+  }
+#endif
+  at::vec::convert_from_float<dst_t>(a, b).store(dst);
+}
+
+// The first `count` (< 2W) values of e0, e1 into out as its type, from registers: the ragged end of a row. A
+// masked store read back for a conversion stalls on the store (bench/NOTES.md section 43).
+template <typename acc_t, typename ct>
+inline void store_weights(const Vectorized<acc_t>& e0, const Vectorized<acc_t>& e1, ct* out, int64_t count) {
+  constexpr int64_t W = Vectorized<acc_t>::size();
+  if constexpr (std::is_same_v<ct, acc_t>) {
+    e0.store(out, std::min(W, count));
+    if (count > W) e1.store(out + W, count - W);
+  } else {
+#if defined(FUSED_ATTN_AVX512_BF16)
+    if constexpr (std::is_same_v<ct, c10::BFloat16>) {
+      _mm512_mask_storeu_epi16(out, static_cast<__mmask32>((uint32_t(1) << count) - 1),
+                               (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      return;
+    }
+#endif
+    at::vec::convert_from_float<ct>(e0, e1).store(out, count);
+  }
+}
+
+// dst[0..n) = src[0..n) (floats) as dst_t, factor times src where given.
+template <typename dst_t>
+inline void convert_floats(const float* src, dst_t* dst, int64_t n, float factor = 1.f) {
+  using V = Vectorized<float>;
+  constexpr int64_t W = V::size();
+  const V scale(factor);
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {
+    const V a = V::loadu(src + j) * scale, b = V::loadu(src + j + W) * scale;
+    if constexpr (std::is_same_v<dst_t, float>) {
+      a.store(dst + j);
+      b.store(dst + j + W);
+    } else {
+      store_pair(dst + j, a, b);
+    }
+  }
+  if (j < n) {
+    const int64_t count = n - j, low = std::min<int64_t>(W, count);
+    store_weights(V::loadu(src + j, low) * scale, count > W ? V::loadu(src + j + W, count - W) * scale : V(0.f),
+                  dst + j, count);
+  }
+}
+
+// out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
+// their sum. s may hold -inf (hidden keys), which gives 0 in every exp below. P meant for a
+// bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp2_nonpositive,
+// and with kFoldLog2e, log2(e) rides in the scale and shift (one multiply-add for x·scale − shift
+// and the change of base); float and double P take ATen's exp_u20 and std::exp.
 template <bool kFoldLog2e, typename acc_t, typename ct>
 acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
@@ -787,29 +845,22 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
     const V e1 = exp_of(V::loadu(s + j + W));
     sum0 = sum0 + e0;
     sum1 = sum1 + e1;
-    if constexpr (kVnni<ct>) {
-#if defined(FUSED_ATTN_AVX512_BF16)
-      if constexpr (std::is_same_v<ct, c10::BFloat16>) {  // one instruction for 32 conversions
-        _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        continue;
-      }
-#endif
-      at::vec::convert_from_float<ct>(e0, e1).store(out + j);
-    } else if constexpr (std::is_same_v<ct, acc_t>) {
+    if constexpr (std::is_same_v<ct, acc_t>) {
       e0.store(out + j);
       e1.store(out + j + W);
     } else {
-      e0.store(s + j);
-      e1.store(s + j + W);
-      at::vec::convert(s + j, out + j, 2 * W);
+      store_pair(out + j, e0, e1);
     }
   }
-  for (; j < n; j += W) {  // the lanes past n hold -inf, whose exp is 0
-    const int64_t count = std::min<int64_t>(W, n - j);
-    const V e = exp_of(V::set(V(neg_inf<acc_t>()), V::loadu(s + j, count), count));
-    sum0 = sum0 + e;
-    e.store(s + j, count);
-    at::vec::convert(s + j, out + j, count);
+  if (j < n) {  // the lanes past n hold -inf, whose exp is 0
+    const int64_t count = n - j;  // < 2W
+    const int64_t low = std::min<int64_t>(W, count);
+    const V e0 = exp_of(V::set(V(neg_inf<acc_t>()), V::loadu(s + j, low), low));
+    const V e1 = count > W ? exp_of(V::set(V(neg_inf<acc_t>()), V::loadu(s + j + W, count - W), count - W))
+                           : V(acc_t(0));
+    sum0 = sum0 + e0;
+    sum1 = sum1 + e1;
+    store_weights(e0, e1, out + j, count);
   }
   return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, sum0 + sum1);
 }
@@ -841,13 +892,12 @@ inline void store_row(st* dst, int64_t stride, const acc_t* src, int64_t n, acc_
   constexpr int64_t W = V::size();
   int64_t j = 0;
   if (stride == 1) {
-    const V scale(factor);
-    if constexpr (std::is_same_v<st, acc_t>) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      convert_floats(src, dst, n, factor);
+      return;
+    } else {
+      const V scale(factor);
       for (; j + W <= n; j += W) (V::loadu(src + j) * scale).store(dst + j);
-    } else if constexpr (std::is_same_v<acc_t, float>) {
-      for (; j + 2 * W <= n; j += 2 * W) {
-        at::vec::convert_from_float<st>(V::loadu(src + j) * scale, V::loadu(src + j + W) * scale).store(dst + j);
-      }
     }
   }
   for (; j < n; ++j) dst[j * stride] = static_cast<st>(src[j] * factor);
@@ -1078,25 +1128,19 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   const int64_t first = std::clamp<int64_t>(seen.first - k0, 0, width);
   const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
   const int64_t n = last - first;
-  // The maximum and the exp take whole pairs of vectors as far as the block has keys, those past the row's
-  // last one hidden: cheaper than the ragged end each row has on its diagonal (a program's short rows meet
-  // theirs in one block of two: 4 % of a bf16 forward of chunks).
-  const int64_t exp_end = first + std::min(round_up(n, 2 * Vectorized<acc_t>::size()), width - first);
   const acc_t scale = static_cast<acc_t>(p.scale);
   // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
   acc_t row_scale = scale;
   acc_t block_max = neg_inf<acc_t>();
   if (n > 0 && scores_are_plain(p)) {
     if (tile_states != nullptr) hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
-    std::fill(srow + last, srow + exp_end, neg_inf<acc_t>());
-    block_max = row_max_of(srow + first, exp_end - first) * scale;
+    block_max = row_max_of(srow + first, n) * scale;
   } else if (n > 0) {
     block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
     if (tile_states != nullptr) {
       hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
       block_max = row_max_of(srow + first, n);
     }
-    std::fill(srow + last, srow + exp_end, neg_inf<acc_t>());
     row_scale = acc_t(1);
   }
   const acc_t m_new = std::max(*m, block_max);
@@ -1107,9 +1151,9 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   // 1 when the old max is -inf (the sum is 0, the accumulator holds nothing to rescale); an unchanged
   // max skips the exp.
   const acc_t alpha = *m == m_new || *m == neg_inf<acc_t>() ? acc_t(1) : std::exp(*m - m_new);
-  const acc_t sum = exp_row(srow + first, exp_end - first, row_scale, m_new, prow + first);
+  const acc_t sum = exp_row(srow + first, n, row_scale, m_new, prow + first);
   std::fill(prow, prow + first, ct(0));
-  std::fill(prow + exp_end, prow + width_pad, ct(0));
+  std::fill(prow + last, prow + width_pad, ct(0));
   if (p.dropout.enabled) {
     dropout_row_bits(p.dropout, b * p.heads_q + h, qi, k0 + first, n, bits);
     drop_row(prow + first, bits, n, p.dropout.threshold);
@@ -1758,7 +1802,7 @@ inline void grad_scores(const acc_t* prob, acc_t* dp, int64_t n, acc_t delta) {
   const V vdelta(delta);
   int64_t j = 0;
   for (; j + W <= n; j += W) (V::loadu(prob + j) * (V::loadu(dp + j) - vdelta)).store(dp + j);
-  for (; j < n; ++j) dp[j] = prob[j] * (dp[j] - delta);
+  if (j < n) (V::loadu(prob + j, n - j) * (V::loadu(dp + j, n - j) - vdelta)).store(dp + j, n - j);
 }
 
 // dst[c][r] (leading dimension ld_dst, columns rows..ld_dst zero) = src[r][c], r < rows, c < cols,
@@ -1775,7 +1819,7 @@ void transpose_tile(ct* dst, int64_t ld_dst, const acc_t* src, int64_t ld_src, i
     }
   } else {
     transpose_32bit(tmp, ld_dst, src, ld_src, rows, cols);
-    for (int64_t c = 0; c < cols; ++c) at::vec::convert(tmp + c * ld_dst, dst + c * ld_dst, rows);
+    for (int64_t c = 0; c < cols; ++c) convert_floats(tmp + c * ld_dst, dst + c * ld_dst, rows);
   }
   if (ld_dst > rows) {
     for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_dst + rows, dst + (c + 1) * ld_dst, ct(0));
@@ -1995,9 +2039,6 @@ void backward_impl(const Params& p) {
               const int64_t first = std::clamp<int64_t>(seen.first - kb, 0, w);
               const int64_t last = std::clamp<int64_t>(seen.end - kb, first, w);
               const int64_t n = last - first;
-              // P and dS of whole pairs of vectors as far as the block has keys, those past the row's last one
-              // hidden (0), as the forward's softmax_step takes them.
-              const int64_t exp_end = first + std::min(round_up(n, 2 * Vectorized<acc_t>::size()), w - first);
               acc_t* s_seen = srow + first;
               acc_t* dp_seen = dprow + first;
               acc_t lse = LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]];
@@ -2007,15 +2048,14 @@ void backward_impl(const Params& p) {
               // Scores are scaled inside the exp when nothing else applies; srow then holds P.
               if (!plain_scores) prepare_scores<acc_t, scalar_t>(s_seen, n, scale, p, b, h, qi, kb + first, cap_grad);
               if (keys.hides) hide_by_program(p, s_seen, n, kb, first, qi, states + lead / T);
-              std::fill(srow + last, srow + exp_end, neg_inf<acc_t>());
-              exp_row(s_seen, exp_end - first, plain_scores ? scale : acc_t(1), lse, s_seen);
+              exp_row(s_seen, n, plain_scores ? scale : acc_t(1), lse, s_seen);
               // With dropout, O = (Z ∘ P / (1 - p)) V: the gradient of the undropped weights is
               // Z ∘ dP / (1 - p), and dV takes Z ∘ P (scaled by 1 / (1 - p) when stored).
               if (p.dropout.enabled) {
                 dropout_row_bits(p.dropout, b * p.heads_q + h, qi, kb + first, n, bits);
                 drop_and_scale_row(dp_seen, bits, n, p.dropout.threshold, keep_scale);
               }
-              grad_scores(s_seen, dp_seen, exp_end - first, d);  // dprow now holds dS
+              grad_scores(s_seen, dp_seen, n, d);  // dprow now holds dS
               if (dMask != nullptr) {  // an additive mask's gradient is dS; hidden keys keep their 0
                 at::vec::convert(dp_seen, dMask + b * p.grad_mask.s[0] + h * p.grad_mask.s[1] +
                                               qi * p.grad_mask.s[2] + (kb + first) * p.grad_mask.s[3], n);
@@ -2026,8 +2066,8 @@ void backward_impl(const Params& p) {
               if (p.dropout.enabled) drop_row(s_seen, bits, n, p.dropout.threshold);
               std::fill(srow, s_seen, acc_t(0));
               std::fill(dprow, dp_seen, acc_t(0));
-              std::fill(srow + exp_end, srow + w, acc_t(0));
-              std::fill(dprow + exp_end, dprow + w, acc_t(0));
+              std::fill(srow + last, srow + w, acc_t(0));
+              std::fill(dprow + last, dprow + w, acc_t(0));
             }
             // Pᵀ and dSᵀ (w × bq, columns bq..bqpad zero), the A operands of dV and dK.
             transpose_tile(pt, bqpad, sbuf, bk, bq, w, tbuf);
@@ -2036,7 +2076,7 @@ void backward_impl(const Params& p) {
             int64_t ld_ds = bk;
             if constexpr (!std::is_same_v<ct, acc_t>) {
               for (int64_t r = 0; r < bq; ++r) {
-                at::vec::convert(dpbuf + r * bk, ds + r * wpad, w);
+                convert_floats(dpbuf + r * bk, ds + r * wpad, w);
                 if (wpad > w) ds[r * wpad + w] = ct(0);
               }
               ds_a = ds;
