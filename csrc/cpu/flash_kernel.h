@@ -806,12 +806,12 @@ inline void convert_floats(const float* src, dst_t* dst, int64_t n, float factor
   }
 }
 
-// out[j] = exp(s[j] * scale - shift) for j < n, in the operand type of the next product; returns
-// their sum. s may hold -inf (hidden keys), which gives 0 in every exp below. P meant for a
-// bf16/fp16 product is rounded to 8 or 11 bits anyway, so it takes the cheaper exp2_nonpositive,
+// out[j] = exp(s[j] * scale - shift) for j < n, as ct; returns their sum. s may hold -inf (hidden keys),
+// which gives 0 in every exp below. P meant for bf16/fp16 products (operand_t) is rounded to 8 or 11 bits
+// anyway, so it takes the cheaper exp2_nonpositive,
 // and with kFoldLog2e, log2(e) rides in the scale and shift (one multiply-add for x·scale − shift
 // and the change of base); float and double P take ATen's exp_u20 and std::exp.
-template <bool kFoldLog2e, typename acc_t, typename ct>
+template <bool kFoldLog2e, typename operand_t, typename acc_t, typename ct>
 acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
@@ -832,7 +832,7 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
     const V arg = at::vec::fmadd(x, vscale, vshift);
     if constexpr (kFoldLog2e) {
       return flushed(exp2_nonpositive(arg), arg);
-    } else if constexpr (kVnni<ct>) {
+    } else if constexpr (kVnni<operand_t>) {
       return flushed(exp2_nonpositive(arg * V(log2e)), arg);
     } else {
       return flushed(vexp(arg), arg);
@@ -865,17 +865,18 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, sum0 + sum1);
 }
 
-// exp_row_pass with log2(e) folded into the multiply-add wherever that is exact enough: for
-// bf16/fp16 P and a shift (the row max) of at most 256 in magnitude, where the rounding of
+// exp_row_pass for weights that feed products of operand_t (the backward keeps them in float for dS, whose
+// products are bf16/fp16 too), with log2(e) folded into the multiply-add wherever that is exact enough: for
+// bf16/fp16 products and a shift (the row max) of at most 256 in magnitude, where the rounding of
 // shift·log2(e) moves P by under 4e-5 relative. Larger shifts, such as rows fully masked by an
 // additive mask at the dtype's lowest value, form the difference first: folded, the rounding of
 // shift·log2(e) would swamp it, or overflow.
-template <typename acc_t, typename ct>
+template <typename operand_t, typename acc_t, typename ct>
 acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
-  if constexpr (kVnni<ct>) {
-    if (std::abs(shift) <= acc_t(256)) return exp_row_pass<true>(s, n, scale, shift, out);
+  if constexpr (kVnni<operand_t>) {
+    if (std::abs(shift) <= acc_t(256)) return exp_row_pass<true, operand_t>(s, n, scale, shift, out);
   }
-  return exp_row_pass<false>(s, n, scale, shift, out);
+  return exp_row_pass<false, operand_t>(s, n, scale, shift, out);
 }
 
 template <typename T>
@@ -1151,7 +1152,7 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   // 1 when the old max is -inf (the sum is 0, the accumulator holds nothing to rescale); an unchanged
   // max skips the exp.
   const acc_t alpha = *m == m_new || *m == neg_inf<acc_t>() ? acc_t(1) : std::exp(*m - m_new);
-  const acc_t sum = exp_row(srow + first, n, row_scale, m_new, prow + first);
+  const acc_t sum = exp_row<ct>(srow + first, n, row_scale, m_new, prow + first);
   std::fill(prow, prow + first, ct(0));
   std::fill(prow + last, prow + width_pad, ct(0));
   if (p.dropout.enabled) {
@@ -2048,7 +2049,7 @@ void backward_impl(const Params& p) {
               // Scores are scaled inside the exp when nothing else applies; srow then holds P.
               if (!plain_scores) prepare_scores<acc_t, scalar_t>(s_seen, n, scale, p, b, h, qi, kb + first, cap_grad);
               if (keys.hides) hide_by_program(p, s_seen, n, kb, first, qi, states + lead / T);
-              exp_row(s_seen, n, plain_scores ? scale : acc_t(1), lse, s_seen);
+              exp_row<ct>(s_seen, n, plain_scores ? scale : acc_t(1), lse, s_seen);
               // With dropout, O = (Z ∘ P / (1 - p)) V: the gradient of the undropped weights is
               // Z ∘ dP / (1 - p), and dV takes Z ∘ P (scaled by 1 / (1 - p) when stored).
               if (p.dropout.enabled) {
