@@ -7,7 +7,8 @@ supported release has it) are extra candidates where `tensor_descriptors()` find
 `tl.range`'s warp specialization where `warp_specialization()` does. What else differs is what lies around the kernels: how the static report
 specialises a kernel's arguments for ahead-of-time compilation, and where the global scratch memory of
 descriptors made on the device comes from (`scratch_allocator`). Each difference is detected by what the
-installed Triton offers, not by comparing version numbers, so a release between the tested ones works too.
+installed Triton offers, not by comparing version numbers, so a release between the tested ones works too; the tiles
+some launches take on older releases, whose registers spill at the newer ones', go by `older_than`.
 
 Users have the Triton their torch brought: PyPI's torch 2.13.0 (CUDA 13.0) pins 3.7.1, other
 releases of torch pin others. The tests and the static report run on 3.5.1, 3.6.0, 3.7.1, 3.8.0 and
@@ -115,6 +116,15 @@ def warp_specialization() -> bool:
     found = release()
     return ("warp_specialize" in inspect.signature(tl.range.__init__).parameters and found is not None
             and found >= WARP_SPECIALIZED_FROM)
+
+
+@functools.cache
+def older_than(version: tuple[int, int]) -> bool:
+    """Whether the installed Triton is older than `version`, (major, minor): some launches then take tiles of their own
+    (`triton_kernels._OLD_RELEASE_DEFAULTS`, where its register allocation spills at the tiles chosen on newer
+    releases). A Triton no metadata names counts as new."""
+    found = release()
+    return found is not None and found < version
 
 
 @contextlib.contextmanager

@@ -1183,6 +1183,8 @@ _PROGRAM_DEFAULTS = {
     ("bwd_dq", "sm_80", 128, False): _K(32, 64, 8, 2),
     ("bwd_dq", "sm_80", 128, True): _K(32, 64, 8, 2),  # the table's (64, 64, 8, 2) spills
     ("bwd_dq", "sm_90", 64, True): _K(64, 64, 8, 2),  # the table's (64, 64, 4, 2) spills
+    # The table's (64, 32, 4, 2) spills on Triton 3.6.0 to 3.8.0 (24, 22, 12 local loads/stores; 255 registers on 3.9).
+    ("bwd_dq", "sm_90", 128, True): _K(64, 32, 8, 2),
 }
 
 
@@ -1203,24 +1205,65 @@ _BLACKWELL_DEFAULTS = {
 }
 
 
-def _blackwell_default(kernel: str, dim: int, constexprs: dict | None) -> KernelConfig | None:
-    """The Blackwell tiles of `kernel` for a launch with `constexprs`, or None where sm_90's hold."""
+# fp16/bf16 tiles for older Triton releases whose register allocation spills at the tiles above (chosen on 3.9), each
+# compiled for its target on the releases it is taken on (bench/triton_report.py; bench/NOTES.md section 44): no
+# spills, tensor-core instructions kept. Keyed (kernel, arch, head dim of the table), then (the features a launch has
+# all of, as in _BLACKWELL_DEFAULTS; the oldest release that compiles the tiles above without spills; the tiles taken
+# before it), the first entry that matches.
+_OLD_RELEASE_DEFAULTS = {
+    # An 8-bit cache with per-key scales spilled at the table's (128, 64, 8, 3) on 3.5.1 (6 to 44 local loads/stores)
+    # and 3.6.0 (16 to 52).
+    ("fwd", "sm_80", 64): ((("KV8", "TOKEN_SCALES"), (3, 7), _K(128, 32, 8, 3)),),
+    # The same at (128, 32, 8, 3): 18 to 26 on 3.5.1, 2 to 10 on 3.6.0.
+    ("fwd", "sm_80", 128): ((("KV8", "TOKEN_SCALES"), (3, 7), _K(64, 32, 8, 3)),),
+    # The same at (128, 64, 4, 3): 20 to 22 on 3.5.1, 69 on 3.6.0.
+    ("fwd", "sm_90", 64): ((("KV8", "TOKEN_SCALES"), (3, 7), _K(128, 32, 4, 3)),),
+    # The score variants with key padding spilled at the Blackwell table's (128, 32, 4, 3) on 3.7.1 (2, at 168
+    # registers); (128, 32, 8, 3) leaves 128 registers a thread there and spilled with a program or a packed batch
+    # (8 to 12), and 2 stages with a program (20), which keeps the table's.
+    ("fwd", "sm_100", 64): ((("HAS_PROGRAM",), (3, 8), _K(128, 32, 4, 3)), (("SCORES",), (3, 8), _K(128, 32, 4, 2))),
+    # A program with dropout spilled at the dropout table's (16, 128, 8, 2) on 3.6.0 (6); without dropout at the
+    # table's (32, 128, 8, 2) on 3.5.1 (3).
+    ("bwd_dkdv", "sm_80", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), (3, 7), _K(16, 64, 8, 2)),
+                                (("HAS_PROGRAM",), (3, 6), _K(16, 128, 8, 2))),
+    # A program with dropout spilled at the table's (32, 64, 8, 2) on 3.5.1 and 3.6.0 (6) and 3.7.1 (26).
+    ("bwd_dkdv", "sm_80", 128): ((("HAS_PROGRAM", "HAS_DROPOUT"), (3, 8), _K(32, 32, 8, 2)),),
+    # A program with dropout spilled at the Blackwell table's (16, 64, 4, 2) on 3.5.1 (5, at 128 registers).
+    ("bwd_dkdv", "sm_100", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), (3, 6), _K(32, 64, 4, 2)),),
+}
+
+
+def _first_match(entries, constexprs: dict | None) -> KernelConfig | None:
+    """The config of the first (features, config) of `entries` whose features a launch with `constexprs` has all of
+    (its constexprs that are True, and SCORES: a softcap, ALiBi or key padding), or None."""
     on = {name for name, value in (constexprs or {}).items() if value is True}
     if on & {"SOFTCAP", "HAS_ALIBI", "HAS_KPM"}:
         on.add("SCORES")
-    for features, config in _BLACKWELL_DEFAULTS.get((kernel, dim), ()):
-        if on.issuperset(features):
-            return config
-    return None
+    return next((config for features, config in entries if on.issuperset(features)), None)
+
+
+def _blackwell_default(kernel: str, dim: int, constexprs: dict | None) -> KernelConfig | None:
+    """The Blackwell tiles of `kernel` for a launch with `constexprs`, or None where sm_90's hold."""
+    return _first_match(_BLACKWELL_DEFAULTS.get((kernel, dim), ()), constexprs)
+
+
+def _old_release_default(kernel: str, arch: str, dim: int, constexprs: dict | None) -> KernelConfig | None:
+    """The tiles of `kernel` on `arch` for a launch with `constexprs` where the installed Triton is older than the
+    release an entry of `_OLD_RELEASE_DEFAULTS` names, or None."""
+    entries = _OLD_RELEASE_DEFAULTS.get((kernel, arch, dim), ())
+    return _first_match(((features, config) for features, release, config in entries
+                         if triton_compat.older_than(release)), constexprs)
 
 
 def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
                    constexprs: dict | None = None) -> KernelConfig:
     """The default of `kernel` on `arch` ("sm_80", "sm_90" or "sm_100") for a padded head dim and, where given,
     the features of the launch (its constexprs: a mask program, dropout, a bias gradient and packed
-    batches with dropout have tiles of their own)."""
+    batches with dropout have tiles of their own, and so have some launches on older Triton releases)."""
+    dim = min(dim for dim in _DEFAULTS[(kernel, "sm_90", 2)] if dim >= head_dim)
+    if element_size == 2 and (old := _old_release_default(kernel, arch, dim, constexprs)) is not None:
+        return old
     if arch == "sm_100":
-        dim = min(dim for dim in _DEFAULTS[(kernel, "sm_90", 2)] if dim >= head_dim)
         blackwell = _blackwell_default(kernel, dim, constexprs) if element_size == 2 else None
         return blackwell or default_config(kernel, "sm_90", head_dim, element_size, constexprs)
     table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
