@@ -288,6 +288,20 @@ void pack_b(ct* dst, const st* src, int64_t sk, int64_t sn, int64_t K, int64_t K
     // Kᵀ of contiguous key rows: a blocked transpose.
     transpose_32bit(reinterpret_cast<float*>(dst), N, reinterpret_cast<const float*>(src), sn, N, K);
     std::fill(dst + K * N, dst + Kpad * N, ct(0));
+  } else if (std::is_same_v<ct, float> && sk == 1 && sn != 1) {
+    // Kᵀ of contiguous 16-bit key rows, multiplied in float: tiles of 16 rows widened by vector conversions, then
+    // the blocked transpose. Element by element, every conversion and every strided store would be scalar.
+    constexpr int64_t kTileRows = 16, kTileCols = 256;
+    float tile[kTileRows * kTileCols];
+    for (int64_t n0 = 0; n0 < N; n0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, N - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += kTileCols) {
+        const int64_t cols = std::min(kTileCols, K - k0);
+        for (int64_t i = 0; i < rows; ++i) copy_row(tile + i * cols, src + (n0 + i) * sn + k0, 1, cols);
+        transpose_32bit(reinterpret_cast<float*>(dst) + k0 * N + n0, N, tile, cols, rows, cols);
+      }
+    }
+    std::fill(dst + K * N, dst + Kpad * N, ct(0));
   } else if (std::abs(sn) <= std::abs(sk)) {  // rows of B are contiguous enough: copy by rows
     for (int64_t k = 0; k < K; ++k) copy_row(dst + k * N, src + k * sk, sn, N);
     std::fill(dst + K * N, dst + Kpad * N, ct(0));
