@@ -291,6 +291,33 @@ def check_extreme_maxima(generator, dtype):
         testing.check_against_reference(results, query, k, v, grad_out, attn_mask=attn_mask)
 
 
+JUMP_CASES = {
+    "plain": testing.Case(batch=1, len_q=96, len_k=96),
+    "causal": testing.Case(batch=1, len_q=96, len_k=96, is_causal=True),
+    "documents": testing.Case(batch=1, len_q=96, len_k=96, program="documents"),
+    "softcap_padding": testing.Case(batch=1, len_q=96, len_k=96, softcap=30.0, key_padding=True),
+    "decode_gqa": testing.Case(batch=1, heads_q=4, heads_kv=1, len_q=3, len_k=96),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(JUMP_CASES))
+def test_rows_whose_maxima_jump_meet_criterion(generator, monkeypatch, dtype, name):
+    """Row maxima from about 1 to 25, and keys whose scores rise threefold from key 48 on, inside the first key
+    block of 80: a row's shift (csrc/cpu/flash_kernel.h, kShiftSlack) is kept, rises inside a pass over the scores
+    (the weights before rescaled) and rises from one key block to the next (the accumulator rescaled), each on some
+    rows, forward and backward."""
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_Q", "16")
+    monkeypatch.setenv("FUSED_ATTN_CPU_BLOCK_K", "80")
+    inputs = testing.random_inputs(JUMP_CASES[name], dtype, 1, generator)
+    with torch.no_grad():
+        rows = torch.arange(inputs.query.shape[2], dtype=torch.float64)
+        inputs.query.copy_((inputs.query.double() * ((rows * 7) % 5 * 2.5 + 0.3)[:, None]).to(dtype))
+        inputs.key[:, :, 48:] = (inputs.key[:, :, 48:].double() * 3).to(dtype)
+    exact, same_dtype = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, dtype)
+    testing.assert_close_to_reference(testing.run_backend(registry.get("cpu"), inputs), exact, same_dtype, dtype)
+
+
 def test_no_keys_and_empty_batch(generator):
     q = torch.randn(2, 2, 5, 4, generator=generator)
     k = torch.randn(2, 2, 0, 4)

@@ -730,11 +730,11 @@ inline BlockKeys block_keys(const Params& p, int64_t b, int64_t h, int64_t q0, i
   return keys;
 }
 
-// 2^t for t <= 0 (up to rounding) and -inf, for probabilities rounded to bf16/fp16 next: ATen's
+// 2^t for t < 128 (up to rounding) and -inf, for probabilities rounded to bf16/fp16 next: ATen's
 // fexp_u20 (its polynomial, ~1e-4 relative error, and its construction of the exponent field)
-// without its range checks, which t never needs: every t under -127, -inf included, gives
-// exactly +0 through the clamp on the bits of the result.
-inline Vectorized<float> exp2_nonpositive(Vectorized<float> t) {
+// without its range checks, which t never needs (a weight is at most e^kShiftSlack, 2^11.6): every t under -127,
+// -inf included, gives exactly +0 through the clamp on the bits of the result.
+inline Vectorized<float> exp2_of_weight(Vectorized<float> t) {
   using V = Vectorized<float>;
 #if defined(CPU_CAPABILITY_AVX512)
   // t - floor(t) in one instruction, which also maps -inf to 0 (and the bits below to -inf, so +0).
@@ -820,18 +820,58 @@ inline void convert_floats(const float* src, dst_t* dst, int64_t n, float factor
   }
 }
 
+template <typename T>
+inline void scale_row(T* x, int64_t n, T factor) {
+  at::vec::map([factor](Vectorized<T> v) { return v * Vectorized<T>(factor); }, x, x, n);
+}
+
+// Whether some lane of x lies above the same lane of limit.
+template <typename T>
+inline bool any_above(const Vectorized<T>& x, const Vectorized<T>& limit) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return _mm512_cmp_ps_mask(x, limit, _CMP_GT_OQ) != 0;
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return _mm256_movemask_ps(_mm256_cmp_ps(x, limit, _CMP_GT_OQ)) != 0;
+#endif
+  __at_align__ T lanes[Vectorized<T>::size()], limits[Vectorized<T>::size()];
+  x.store(lanes);
+  limit.store(limits);
+  for (int64_t i = 0; i < Vectorized<T>::size(); ++i) {
+    if (lanes[i] > limits[i]) return true;
+  }
+  return false;
+}
+
+// The online softmax's shift: the exp of a row's scores is taken against a shift of its own, which need not be
+// their maximum (O / l and lse = shift + log l come out the same) as long as no weight overflows and the largest
+// are not lost below the smallest normal numbers. A row's shift is the largest of some of its (scaled) scores, and
+// it moves up to a new largest only where that lies more than kShiftSlack above it: weights stay within 1 and e^8
+// (2981, within fp16's range), and the accumulator is rescaled only when a row's scores jump.
+constexpr double kShiftSlack = 8.0;
+
 // out[j] = exp(s[j] * scale - shift) for j < n, as ct; returns their sum. s may hold -inf (hidden keys),
 // which gives 0 in every exp below. P meant for bf16/fp16 products (operand_t) is rounded to 8 or 11 bits
-// anyway, so it takes the cheaper exp2_nonpositive,
-// and with kFoldLog2e, log2(e) rides in the scale and shift (one multiply-add for x·scale − shift
-// and the change of base); float and double P take ATen's exp_u20 and std::exp.
-template <bool kFoldLog2e, typename operand_t, typename acc_t, typename ct>
-acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
+// anyway, so it takes the cheaper exp2_of_weight, and with kFoldLog2e, log2(e) rides in the scale and shift (one
+// multiply-add for x·scale − shift and the change of base); float and double P take ATen's exp_u20 and std::exp.
+// kRising: the shift (-inf: none yet) rises where a pair of vectors holds a score more than kShiftSlack above it,
+// to that pair's largest (the weights before it rescaled: recomputed from s where P has its own buffer, multiplied
+// where P overwrites the scores); on return it holds the shift of the weights, -inf where every score is -inf.
+// Plain scores are then read once, their maximum found on the way.
+template <bool kFoldLog2e, typename operand_t, bool kRising, typename acc_t, typename ct>
+acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
   constexpr acc_t log2e = acc_t(1.4426950408889634);
-  const V vscale(kFoldLog2e ? scale * log2e : scale), vshift(kFoldLog2e ? -shift * log2e : -shift);
-  // Float and fp16 weights under 2^-64 of the row's largest (the shift) become 0: next to the largest
+  const V vscale(kFoldLog2e ? scale * log2e : scale);
+  V vshift, limit;  // limit: in units of s, the scores above which the shift rises
+  const auto set_shift = [&](acc_t to) {
+    shift = to;
+    const acc_t finite = to == neg_inf<acc_t>() ? acc_t(0) : to;  // -inf scores, the only ones then, give 0
+    vshift = V(kFoldLog2e ? -finite * log2e : -finite);
+    limit = V(to == neg_inf<acc_t>() ? to : (to + acc_t(kShiftSlack)) / scale);
+  };
+  set_shift(shift);
+  // Float and fp16 weights under 2^-64 of the shift (within e^8 of the row's largest) become 0: next to the largest
   // they change no sum, and their products with V would be denormal numbers, each costing the FMA
   // units a microcode assist (ALiBi's distant keys made a fifth of the call's time of them). bf16
   // weights skip it: AMX's and AVX512-BF16's products take denormal inputs as zero anyway, and there
@@ -845,33 +885,55 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   auto exp_of = [&](const V& x) {
     const V arg = at::vec::fmadd(x, vscale, vshift);
     if constexpr (kFoldLog2e) {
-      return flushed(exp2_nonpositive(arg), arg);
+      return flushed(exp2_of_weight(arg), arg);
     } else if constexpr (kVnni<operand_t>) {
-      return flushed(exp2_nonpositive(arg * V(log2e)), arg);
+      return flushed(exp2_of_weight(arg * V(log2e)), arg);
     } else {
       return flushed(vexp(arg), arg);
     }
   };
+  const auto store_two = [&](ct* dst, const V& e0, const V& e1) {
+    if constexpr (std::is_same_v<ct, acc_t>) {
+      e0.store(dst);
+      e1.store(dst + W);
+    } else {
+      store_pair(dst, e0, e1);
+    }
+  };
   V sum0(acc_t(0)), sum1(acc_t(0));
+  // The shift rises to the largest of x0, x1 where some lane lies above the limit; the weights of s[0..done) follow.
+  const auto rise_to = [&](const V& x0, const V& x1, int64_t done) {
+    const V top = at::vec::maximum(x0, x1);
+    if (!any_above(top, limit)) return;
+    const acc_t before = shift;
+    set_shift(at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, top) * scale);
+    if (before == neg_inf<acc_t>() || done == 0) return;  // no weight yet
+    const acc_t factor = std::exp(before - shift);
+    sum0 = sum0 * V(factor);
+    sum1 = sum1 * V(factor);
+    if constexpr (std::is_same_v<ct, acc_t>) {
+      scale_row(out, done, factor);
+    } else {
+      for (int64_t i = 0; i < done; i += 2 * W) store_two(out + i, exp_of(V::loadu(s + i)), exp_of(V::loadu(s + i + W)));
+    }
+  };
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
-    const V e0 = exp_of(V::loadu(s + j));
-    const V e1 = exp_of(V::loadu(s + j + W));
+    const V x0 = V::loadu(s + j), x1 = V::loadu(s + j + W);
+    if constexpr (kRising) rise_to(x0, x1, j);
+    const V e0 = exp_of(x0), e1 = exp_of(x1);
     sum0 = sum0 + e0;
     sum1 = sum1 + e1;
-    if constexpr (std::is_same_v<ct, acc_t>) {
-      e0.store(out + j);
-      e1.store(out + j + W);
-    } else {
-      store_pair(out + j, e0, e1);
-    }
+    store_two(out + j, e0, e1);
   }
   if (j < n) {  // the lanes past n hold -inf, whose exp is 0
     const int64_t count = n - j;  // < 2W
     const int64_t low = std::min<int64_t>(W, count);
-    const V e0 = exp_of(V::set(V(neg_inf<acc_t>()), V::loadu(s + j, low), low));
-    const V e1 = count > W ? exp_of(V::set(V(neg_inf<acc_t>()), V::loadu(s + j + W, count - W), count - W))
-                           : V(acc_t(0));
+    const V x0 = V::set(V(neg_inf<acc_t>()), V::loadu(s + j, low), low);
+    const V x1 = count > W ? V::set(V(neg_inf<acc_t>()), V::loadu(s + j + W, count - W), count - W)
+                           : V(neg_inf<acc_t>());
+    if constexpr (kRising) rise_to(x0, x1, j);
+    const V e0 = exp_of(x0), e1 = exp_of(x1);
     sum0 = sum0 + e0;
     sum1 = sum1 + e1;
     store_weights(e0, e1, out + j, count);
@@ -879,23 +941,42 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   return at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return x + y; }, sum0 + sum1);
 }
 
+// The rounding of shift·log2(e) moves P by under 4e-5 relative where the shift is at most 256 in magnitude.
+template <typename acc_t>
+inline bool folds_log2e(acc_t shift) {
+  return std::abs(shift) <= acc_t(256) || shift == neg_inf<acc_t>();
+}
+
 // exp_row_pass for weights that feed products of operand_t (the backward keeps them in float for dS, whose
 // products are bf16/fp16 too), with log2(e) folded into the multiply-add wherever that is exact enough: for
-// bf16/fp16 products and a shift (the row max) of at most 256 in magnitude, where the rounding of
-// shift·log2(e) moves P by under 4e-5 relative. Larger shifts, such as rows fully masked by an
-// additive mask at the dtype's lowest value, form the difference first: folded, the rounding of
+// bf16/fp16 products and a shift of at most 256 in magnitude (folds_log2e). Larger shifts, such as rows fully masked
+// by an additive mask at the dtype's lowest value, form the difference first: folded, the rounding of
 // shift·log2(e) would swamp it, or overflow.
 template <typename operand_t, typename acc_t, typename ct>
 acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
   if constexpr (kVnni<operand_t>) {
-    if (std::abs(shift) <= acc_t(256)) return exp_row_pass<true, operand_t>(s, n, scale, shift, out);
+    if (folds_log2e(shift)) return exp_row_pass<true, operand_t, false>(s, n, scale, shift, out);
   }
-  return exp_row_pass<false, operand_t>(s, n, scale, shift, out);
+  return exp_row_pass<false, operand_t, false>(s, n, scale, shift, out);
 }
 
-template <typename T>
-inline void scale_row(T* x, int64_t n, T factor) {
-  at::vec::map([factor](Vectorized<T> v) { return v * Vectorized<T>(factor); }, x, x, n);
+// exp_row with the shift rising (exp_row_pass's kRising): `shift` in, the row's shift so far (-inf: none), and out,
+// the one the weights are relative to. A shift that rises past folds_log2e takes the pass again unfolded (P then has
+// its own buffer: the scores are still there).
+template <typename operand_t, typename acc_t, typename ct>
+acc_t exp_row_rising(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
+  if constexpr (kVnni<operand_t>) {
+    static_assert(!std::is_same_v<ct, acc_t>, "bf16/fp16 products take weights of their own type");
+    if (folds_log2e(shift)) {
+      acc_t tried = shift;
+      const acc_t sum = exp_row_pass<true, operand_t, true>(s, n, scale, tried, out);
+      if (folds_log2e(tried)) {
+        shift = tried;
+        return sum;
+      }
+    }
+  }
+  return exp_row_pass<false, operand_t, true>(s, n, scale, shift, out);
 }
 
 // Writes acc values, times `factor`, to a strided row of the output type. A unit-stride row is scaled and
@@ -918,7 +999,7 @@ inline void store_row(st* dst, int64_t stride, const acc_t* src, int64_t n, acc_
   for (; j < n; ++j) dst[j * stride] = static_cast<st>(src[j] * factor);
 }
 
-// How a row ends, from its running maximum m and the sum l of its visible weights (relative to m): the
+// How a row ends, from its shift m (near its maximum) and the sum l of its visible weights (relative to m): the
 // factor that turns its accumulator into the output (keep_scale / normaliser; 0 for a row with nothing
 // to normalise) and its log-sum-exp. A sink (fused_attn/scores.py) adds exp(sink - m) to the
 // normaliser and nothing to the accumulator; a row that saw no key then has lse = sink.
@@ -1095,7 +1176,7 @@ inline void drop_and_scale_row(T* row, const uint32_t* bits, int64_t n, uint32_t
 // Forward.
 
 // The per-thread buffers of the online softmax: scores and weights of `block_rows` rows against a key
-// block of `block_k` keys, and the running state (output accumulator, maximum, sum) of `rows` rows.
+// block of `block_k` keys, and the running state (output accumulator, shift, sum) of `rows` rows.
 // bf16/fp16 weights have their own buffer; float ones overwrite the scores.
 template <typename acc_t, typename ct>
 struct SoftmaxBuffers {
@@ -1103,7 +1184,7 @@ struct SoftmaxBuffers {
   acc_t* scores;
   ct* probs;
   acc_t* out;
-  acc_t* row_max;
+  acc_t* row_shift;
   acc_t* row_sum;
   uint32_t* bits;  // dropout's random integers of one row, or null
 
@@ -1118,24 +1199,24 @@ struct SoftmaxBuffers {
       : scores(scratch.take<acc_t>(block_rows * block_k)),
         probs(separate_p ? scratch.take<ct>(block_rows * block_k_pad) : reinterpret_cast<ct*>(scores)),
         out(scratch.take<acc_t>(rows * p.dim_v)),
-        row_max(scratch.take<acc_t>(rows)),
+        row_shift(scratch.take<acc_t>(rows)),
         row_sum(scratch.take<acc_t>(rows)),
         bits(p.dropout.enabled ? scratch.take<uint32_t>(block_k) : nullptr) {}
 
   // Every row before its first key block: nothing seen. The output accumulator is not touched: the
   // first P·V product of each block of rows writes it (rows that see no key yet get 0 there).
   void start(int64_t rows) {
-    std::fill(row_max, row_max + rows, neg_inf<acc_t>());
+    std::fill(row_shift, row_shift + rows, neg_inf<acc_t>());
     std::fill(row_sum, row_sum + rows, acc_t(0));
   }
 };
 
 // One step of the online softmax for query row qi (head h of batch b) over the key block at k0: the
 // scores srow[0, width), of which the keys `seen` are visible, become the weights prow[0, width_pad)
-// (0 for the keys not seen); the row's running maximum *m and sum *l advance, and its output
-// accumulator orow (D_v values) is rescaled to the new maximum; at the row's first visible keys it is
-// left alone (0, or not yet written by the block's first product). With dropout, the sum is of the
-// undropped weights, and the dropped ones are zeroed in prow (the kept ones are scaled at the end).
+// (0 for the keys not seen) against the row's shift *m (kShiftSlack); its sum *l advances, and its output
+// accumulator orow (D_v values) is rescaled where the shift rises; at the row's first visible keys it is left alone
+// (0, or not yet written by the block's first product). With dropout, the sum is of the undropped weights, and the
+// dropped ones are zeroed in prow (the kept ones are scaled at the end).
 template <typename scalar_t, typename acc_t, typename ct>
 void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange seen, int64_t k0, int64_t width,
                   int64_t width_pad, acc_t* srow, ct* prow, acc_t* m, acc_t* l, acc_t* orow, uint32_t* bits,
@@ -1144,29 +1225,26 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   const int64_t last = std::clamp<int64_t>(seen.end - k0, first, width);
   const int64_t n = last - first;
   const acc_t scale = static_cast<acc_t>(p.scale);
-  // Scores are scaled inside the exp (one fused multiply-add) when nothing else applies.
-  acc_t row_scale = scale;
-  acc_t block_max = neg_inf<acc_t>();
+  acc_t shift = *m, sum = 0;
   if (n > 0 && scores_are_plain(p)) {
+    // Scaled inside the exp (one fused multiply-add), read once.
     if (tile_states != nullptr) hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
-    block_max = row_max_of(srow + first, n) * scale;
+    sum = exp_row_rising<ct>(srow + first, n, scale, shift, prow + first);
   } else if (n > 0) {
-    block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
+    acc_t block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
     if (tile_states != nullptr) {
       hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
       block_max = row_max_of(srow + first, n);
     }
-    row_scale = acc_t(1);
+    if (shift == neg_inf<acc_t>() || block_max > shift + acc_t(kShiftSlack)) shift = block_max;
+    if (shift != neg_inf<acc_t>()) sum = exp_row<ct>(srow + first, n, acc_t(1), shift, prow + first);
   }
-  const acc_t m_new = std::max(*m, block_max);
-  if (m_new == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
+  if (shift == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
     std::fill(prow, prow + width_pad, ct(0));
     return;
   }
-  // 1 when the old max is -inf (the sum is 0, the accumulator holds nothing to rescale); an unchanged
-  // max skips the exp.
-  const acc_t alpha = *m == m_new || *m == neg_inf<acc_t>() ? acc_t(1) : std::exp(*m - m_new);
-  const acc_t sum = exp_row<ct>(srow + first, n, row_scale, m_new, prow + first);
+  // 1 when the row had no shift (the sum is 0, the accumulator holds nothing to rescale) or keeps it.
+  const acc_t alpha = *m == shift || *m == neg_inf<acc_t>() ? acc_t(1) : std::exp(*m - shift);
   std::fill(prow, prow + first, ct(0));
   std::fill(prow + last, prow + width_pad, ct(0));
   if (p.dropout.enabled) {
@@ -1174,7 +1252,7 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
     drop_row(prow + first, bits, n, p.dropout.threshold);
   }
   *l = *l * alpha + sum;
-  *m = m_new;
+  *m = shift;
   if (alpha != acc_t(1)) scale_row(orow, p.dim_v, alpha);
 }
 
@@ -1235,7 +1313,7 @@ void forward_impl(const Params& p) {
     ct* vbuf = v_in_place ? nullptr : scratch.take<ct>(BKpad * Dv);
     ct* krows = quantized ? scratch.take<ct>(BK * D) : nullptr;
     Buffers buffers(scratch, p, BQ, rows_per_item, BK, BKpad);
-    acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
+    acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_shift = buffers.row_shift, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
 
     for (int64_t item; (item = next_item()) >= 0;) {
@@ -1344,7 +1422,7 @@ void forward_impl(const Params& p) {
             for (int64_t r = 0; r < sq; ++r) {
               const int64_t qi = c0 + s0 + r;
               softmax_step<scalar_t>(p, b, h, qi, visible_keys(p, qi, span), kb + sf, n, npad, sbuf + r * bk,
-                                     pbuf + r * ldp, row_max + s0 + r, row_sum + s0 + r, obuf + (s0 + r) * Dv,
+                                     pbuf + r * ldp, row_shift + s0 + r, row_sum + s0 + r, obuf + (s0 + r) * Dv,
                                      buffers.bits, keys.hides ? states + lead / T : nullptr);
             }
             gemm<ct, acc_t>(sq, Dv, npad, pbuf, ldp, v_rows + (lead + sf) * ldv, ldv, obuf + s0 * Dv, Dv,
@@ -1359,7 +1437,7 @@ void forward_impl(const Params& p) {
 
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t qi = c0 + r;
-        const RowEnd<acc_t> end = finish_row(p, h, row_max[r], row_sum[r], keep_scale);
+        const RowEnd<acc_t> end = finish_row(p, h, row_shift[r], row_sum[r], keep_scale);
         scalar_t* o_row = O + b * p.out.s[0] + h * p.out.s[1] + qi * p.out.s[2];
         store_row(o_row, p.out.s[3], obuf + r * Dv, Dv, end.factor);
         LSE[b * p.lse.s[0] + h * p.lse.s[1] + qi * p.lse.s[2]] = static_cast<lse_t>(end.lse);
@@ -1667,7 +1745,7 @@ void decode_impl(const Params& p) {
     ct* krows = k_as_float_rows ? scratch.take<ct>(BK * D) : nullptr;
     ct* vbuf = v_in_place || v_stored ? nullptr : scratch.take<ct>(BKpad * Dv);
     Buffers buffers(scratch, p, rows, rows, BK, BKpad);
-    acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_max = buffers.row_max, *row_sum = buffers.row_sum;
+    acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_shift = buffers.row_shift, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
 
     for (int64_t item; (item = next_item()) >= 0;) {
@@ -1732,7 +1810,7 @@ void decode_impl(const Params& p) {
           const int64_t h = hk * groups + r / Lq, qi = r % Lq;
           const KeyRange seen = visible_keys(p, qi, span);
           softmax_step<scalar_t>(p, b, h, qi, {std::max(seen.first, k_begin), std::min(seen.end, k_end)}, k0, bk,
-                                 bkpad, sbuf + r * bk, pbuf + r * ldp, row_max + r, row_sum + r, obuf + r * Dv,
+                                 bkpad, sbuf + r * bk, pbuf + r * ldp, row_shift + r, row_sum + r, obuf + r * Dv,
                                  buffers.bits);
         }
         const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
@@ -1767,11 +1845,11 @@ void decode_impl(const Params& p) {
         const bool seen = row_sum[r] > acc_t(0);
         if (splits == 1) {
           const int64_t h = hk * groups + r / Lq;
-          const RowEnd<acc_t> end = finish_row(p, h, row_max[r], row_sum[r], keep_scale);
+          const RowEnd<acc_t> end = finish_row(p, h, row_shift[r], row_sum[r], keep_scale);
           store_row_result(b, h, r % Lq, obuf + r * Dv, end.factor, end.lse);
         } else {
           // The splits are merged below, where the sink joins once.
-          const acc_t lse = seen ? row_max[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
+          const acc_t lse = seen ? row_shift[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
           acc_t* out = partial_out.data() + (item * rows + r) * Dv;
           for (int64_t d = 0; d < Dv; ++d) out[d] = seen ? obuf[r * Dv + d] / row_sum[r] : acc_t(0);
           partial_lse[item * rows + r] = lse;
