@@ -1220,8 +1220,14 @@ _OLD_RELEASE_DEFAULTS = {
     ("fwd", "sm_90", 64): ((("KV8", "TOKEN_SCALES"), (3, 7), _K(128, 32, 4, 3)),),
     # The score variants with key padding spilled at the Blackwell table's (128, 32, 4, 3) on 3.7.1 (2, at 168
     # registers); (128, 32, 8, 3) leaves 128 registers a thread there and spilled with a program or a packed batch
-    # (8 to 12), and 2 stages with a program (20), which keeps the table's.
-    ("fwd", "sm_100", 64): ((("HAS_PROGRAM",), (3, 8), _K(128, 32, 4, 3)), (("SCORES",), (3, 8), _K(128, 32, 4, 2))),
+    # (8 to 12), and 2 stages with a program (20), which keeps the table's. On 3.8.0 an 8-bit cache with a scale per
+    # sequence spilled at the table's with the score variants and key padding (float8 10 / 2 fp16 / bf16, int8 2 / 2, at
+    # 168 registers), and at (128, 32, 4, 2) (float8 13 / 4); (128, 32, 8, 3) has 118 registers and the same 29 KiB of
+    # shared memory. Before 3.8 the score variants' entry comes first; without score variants and key padding
+    # (128, 32, 8, 3) spilled on 3.6.0 (2) where the table's did not. Scales per key keep the table's.
+    ("fwd", "sm_100", 64): ((("HAS_PROGRAM",), (3, 8), _K(128, 32, 4, 3)), (("SCORES",), (3, 8), _K(128, 32, 4, 2)),
+                            (("KV8", "TOKEN_SCALES"), (3, 9), _K(128, 32, 4, 3)),
+                            (("KV8", "SCORES"), (3, 9), _K(128, 32, 8, 3))),
     # A program with dropout spilled at the dropout table's (16, 128, 8, 2) on 3.6.0 (6); without dropout at the
     # table's (32, 128, 8, 2) on 3.5.1 (3).
     ("bwd_dkdv", "sm_80", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), (3, 7), _K(16, 64, 8, 2)),
