@@ -296,6 +296,8 @@ JUMP_CASES = {
     "causal": testing.Case(batch=1, len_q=96, len_k=96, is_causal=True),
     "documents": testing.Case(batch=1, len_q=96, len_k=96, program="documents"),
     "softcap_padding": testing.Case(batch=1, len_q=96, len_k=96, softcap=30.0, key_padding=True),
+    "softcap_alibi_causal": testing.Case(batch=1, len_q=96, len_k=96, softcap=30.0, alibi="heads", is_causal=True),
+    "alibi": testing.Case(batch=1, len_q=96, len_k=96, alibi="batch"),
     "decode_gqa": testing.Case(batch=1, heads_q=4, heads_kv=1, len_q=3, len_k=96),
 }
 

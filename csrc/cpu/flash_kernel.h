@@ -854,8 +854,9 @@ constexpr double kShiftSlack = 8.0;
 // anyway, so it takes the cheaper exp2_of_weight, and with kFoldLog2e, log2(e) rides in the scale and shift (one
 // multiply-add for x·scale − shift and the change of base); float and double P take ATen's exp_u20 and std::exp.
 // kRising: the shift (-inf: none yet) rises where a pair of vectors holds a score more than kShiftSlack above it,
-// to that pair's largest (the weights before it rescaled: recomputed from s where P has its own buffer, multiplied
-// where P overwrites the scores); on return it holds the shift of the weights, -inf where every score is -inf.
+// at most once past the first weights (the weights before it rescaled: recomputed from s where P has its own
+// buffer, multiplied where P overwrites the scores); on return it holds the shift of the weights, -inf where every
+// score is -inf.
 // Plain scores are then read once, their maximum found on the way.
 template <bool kFoldLog2e, typename operand_t, bool kRising, typename acc_t, typename ct>
 acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
@@ -901,12 +902,18 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
     }
   };
   V sum0(acc_t(0)), sum1(acc_t(0));
-  // The shift rises to the largest of x0, x1 where some lane lies above the limit; the weights of s[0..done) follow.
+  // The shift rises where some lane of x0, x1 (keys done .. done + 2W) lies above the limit: to their largest at a
+  // row's first keys; past weights already written, to the largest of the rest of the row, so that they are
+  // rescaled once in a pass (scores that climb steadily along the keys would rise at every pair).
   const auto rise_to = [&](const V& x0, const V& x1, int64_t done) {
     const V top = at::vec::maximum(x0, x1);
     if (!any_above(top, limit)) return;
     const acc_t before = shift;
-    set_shift(at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, top) * scale);
+    acc_t largest = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, top);
+    if (before != neg_inf<acc_t>() && done > 0 && done + 2 * W < n) {
+      largest = std::max(largest, row_max_of(s + done + 2 * W, n - done - 2 * W));
+    }
+    set_shift(largest * scale);
     if (before == neg_inf<acc_t>() || done == 0) return;  // no weight yet
     const acc_t factor = std::exp(before - shift);
     sum0 = sum0 * V(factor);
