@@ -869,7 +869,7 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
     shift = to;
     const acc_t finite = to == neg_inf<acc_t>() ? acc_t(0) : to;  // -inf scores, the only ones then, give 0
     vshift = V(kFoldLog2e ? -finite * log2e : -finite);
-    limit = V(to == neg_inf<acc_t>() ? to : (to + acc_t(kShiftSlack)) / scale);
+    if constexpr (kRising) limit = V(to == neg_inf<acc_t>() ? to : (to + acc_t(kShiftSlack)) / scale);
   };
   set_shift(shift);
   // Float and fp16 weights under 2^-64 of the shift (within e^8 of the row's largest) become 0: next to the largest
@@ -959,31 +959,24 @@ inline bool folds_log2e(acc_t shift) {
 // bf16/fp16 products and a shift of at most 256 in magnitude (folds_log2e). Larger shifts, such as rows fully masked
 // by an additive mask at the dtype's lowest value, form the difference first: folded, the rounding of
 // shift·log2(e) would swamp it, or overflow.
-template <typename operand_t, typename acc_t, typename ct>
-acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t shift, ct* out) {
+// kRising: `shift` in, the row's shift so far (-inf: none), and out, the one the weights are relative to; a shift
+// that rises past folds_log2e takes the pass again unfolded (P then has its own buffer: the scores are still there).
+// It needs scale > 0 (scores_are_plain): the pass compares raw scores against the shift divided by the scale.
+// Without kRising the shift stays as given.
+template <typename operand_t, bool kRising = false, typename acc_t, typename ct>
+acc_t exp_row(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
   if constexpr (kVnni<operand_t>) {
-    if (folds_log2e(shift)) return exp_row_pass<true, operand_t, false>(s, n, scale, shift, out);
-  }
-  return exp_row_pass<false, operand_t, false>(s, n, scale, shift, out);
-}
-
-// exp_row with the shift rising (exp_row_pass's kRising): `shift` in, the row's shift so far (-inf: none), and out,
-// the one the weights are relative to. A shift that rises past folds_log2e takes the pass again unfolded (P then has
-// its own buffer: the scores are still there).
-template <typename operand_t, typename acc_t, typename ct>
-acc_t exp_row_rising(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
-  if constexpr (kVnni<operand_t>) {
-    static_assert(!std::is_same_v<ct, acc_t>, "bf16/fp16 products take weights of their own type");
+    static_assert(!kRising || !std::is_same_v<ct, acc_t>, "bf16/fp16 products take weights of their own type");
     if (folds_log2e(shift)) {
       acc_t tried = shift;
-      const acc_t sum = exp_row_pass<true, operand_t, true>(s, n, scale, tried, out);
-      if (folds_log2e(tried)) {
+      const acc_t sum = exp_row_pass<true, operand_t, kRising>(s, n, scale, tried, out);
+      if (!kRising || folds_log2e(tried)) {
         shift = tried;
         return sum;
       }
     }
   }
-  return exp_row_pass<false, operand_t, true>(s, n, scale, shift, out);
+  return exp_row_pass<false, operand_t, kRising>(s, n, scale, shift, out);
 }
 
 // Writes acc values, times `factor`, to a strided row of the output type. A unit-stride row is scaled and
@@ -1236,7 +1229,7 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
   if (n > 0 && scores_are_plain(p)) {
     // Scaled inside the exp (one fused multiply-add), read once.
     if (tile_states != nullptr) hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
-    sum = exp_row_rising<ct>(srow + first, n, scale, shift, prow + first);
+    sum = exp_row<ct, true>(srow + first, n, scale, shift, prow + first);
   } else if (n > 0) {
     acc_t block_max = prepare_scores<acc_t, scalar_t>(srow + first, n, scale, p, b, h, qi, k0 + first);
     if (tile_states != nullptr) {
