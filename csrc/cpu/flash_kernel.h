@@ -1538,17 +1538,41 @@ inline void with_cache_and_rows(CacheType cache, int64_t rows, const F& f) {
   }
 }
 
-// s[r · lds + j] = (q_r · k_j) · scale_j for r < R, j < n: q rows packed (R × D), the stored key rows at stride
-// ldk, key j's scale at scale[j · scale_stride]. Two accumulators per row take alternate vectors of D.
+// The stored rows of keys k0 .. k0 + n of head hk of batch row b in `view` (p.key or p.value, scaled by `scales`),
+// wherever a paged cache's blocks put them (one look-up in the block table per cache block), and the factor of each
+// (row_factor): the row readers below then walk a key block whole, across its cache blocks. Its rows are typeless
+// (one scratch buffer serves every cache type); stored_row gives them their type back.
+template <CacheType kType>
+inline const StoredElem<kType>* stored_row(const void* row) {
+  return static_cast<const StoredElem<kType>*>(row);
+}
+
+template <CacheType kType>
+void find_stored_rows(const Params& p, const View& view, const View& scales, int64_t b, int64_t hk, int64_t k0,
+                      int64_t n, const void** rows, float* factors) {
+  const auto* base = static_cast<const StoredElem<kType>*>(view.data);
+  for (int64_t j = 0, count; j < n; j += count) {
+    count = keys_in_block(p, k0 + j, n - j);
+    const StoredElem<kType>* first = key_row(p, view, base, b, hk, k0 + j);
+    const float* scale = kType == CacheType::Plain ? nullptr : scale_row(p, scales, b, hk, k0 + j);
+    for (int64_t i = 0; i < count; ++i) {
+      rows[j + i] = first + i * view.s[2];
+      factors[j + i] = row_factor<kType>(scale, i * scales.s[2]);
+    }
+  }
+}
+
+// s[r · lds + j] = (q_r · k_j) · factor_j for r < R, j < n: q rows packed (R × D), the stored key rows at keys[j].
+// Two accumulators per row take alternate vectors of D.
 template <CacheType kType, int R>
-void stored_row_dots(const float* q, int64_t D, const StoredElem<kType>* k, int64_t ldk, const float* scale,
-                     int64_t scale_stride, int64_t n, float* s, int64_t lds) {
+void stored_row_dots(const float* q, int64_t D, const void* const* keys, const float* factors, int64_t n, float* s,
+                     int64_t lds) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
   const int64_t full = D / W * W;
   for (int64_t j = 0; j < n; ++j) {
-    const StoredElem<kType>* key = k + j * ldk;
-    if (j + kPrefetchRows < n) prefetch_rows(key + kPrefetchRows * ldk, ldk, 1, D);
+    const StoredElem<kType>* key = stored_row<kType>(keys[j]);
+    if (j + kPrefetchRows < n) prefetch_rows(stored_row<kType>(keys[j + kPrefetchRows]), 0, 1, D);
     V acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = V(0.f);
     int64_t d = 0;
@@ -1563,11 +1587,10 @@ void stored_row_dots(const float* q, int64_t D, const StoredElem<kType>* k, int6
       const V k0 = load_stored<kType>(key + d);
       for (int r = 0; r < R; ++r) acc0[r] = at::vec::fmadd(V::loadu(q + r * D + d), k0, acc0[r]);
     }
-    const float factor = row_factor<kType>(scale, j * scale_stride);
     for (int r = 0; r < R; ++r) {
       float dot = at::vec::vec_reduce_all<float>([](V& x, V& y) { return x + y; }, acc0[r] + acc1[r]);
       for (d = full; d < D; ++d) dot += q[r * D + d] * stored_value<kType>(key[d]);
-      s[r * lds + j] = dot * factor;
+      s[r * lds + j] = dot * factors[j];
     }
   }
 }
@@ -1575,12 +1598,12 @@ void stored_row_dots(const float* q, int64_t D, const StoredElem<kType>* k, int6
 // Keys per run of add_stored_values: their value rows stay in L1 while every vector of D passes over them.
 constexpr int64_t kValueRun = 64;
 
-// o[r · ldo + d] (= or +=) Σ_j p[r · ldp + j] · scale_j · v_j[d] for r < R, d < Dv, j < n: the stored value rows at
-// stride ldv, value j's scale at scale[j · scale_stride]. Per run of keys, the weights p · scale first, then C
-// vectors of D at a time against every key of the run (C · R accumulators, at least 4 chains of multiply-adds).
+// o[r · ldo + d] (= or +=) Σ_j p[r · ldp + j] · factor_j · v_j[d] for r < R, d < Dv, j < n: the stored value rows at
+// values[j]. Per run of keys, the weights p · factor first, then C vectors of D at a time against every key of the
+// run (C · R accumulators, at least 4 chains of multiply-adds).
 template <CacheType kType, int R>
-void add_stored_values(const float* p, int64_t ldp, const StoredElem<kType>* v, int64_t ldv, const float* scale,
-                       int64_t scale_stride, int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
+void add_stored_values(const float* p, int64_t ldp, const void* const* values, const float* factors,
+                       int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
   constexpr int C = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
@@ -1588,7 +1611,7 @@ void add_stored_values(const float* p, int64_t ldp, const StoredElem<kType>* v, 
     for (int r = 0; r < R; ++r) std::fill(o + r * ldo, o + r * ldo + Dv, 0.f);
   }
   float weights[R * kValueRun];
-  const auto pass = [&](auto chunks, int64_t d, const StoredElem<kType>* values, int64_t m) {  // chunks vectors from d on
+  const auto pass = [&](auto chunks, int64_t d, const void* const* run, int64_t m) {  // chunks vectors from d on
     constexpr int kChunks = decltype(chunks)::value;
     V acc[kChunks][R];
     for (int c = 0; c < kChunks; ++c) {
@@ -1596,7 +1619,7 @@ void add_stored_values(const float* p, int64_t ldp, const StoredElem<kType>* v, 
     }
     for (int64_t j = 0; j < m; ++j) {
       for (int c = 0; c < kChunks; ++c) {
-        const V stored = load_stored<kType>(values + j * ldv + d + c * W);
+        const V stored = load_stored<kType>(stored_row<kType>(run[j]) + d + c * W);
         for (int r = 0; r < R; ++r) acc[c][r] = at::vec::fmadd(V(weights[r * kValueRun + j]), stored, acc[c][r]);
       }
     }
@@ -1607,18 +1630,19 @@ void add_stored_values(const float* p, int64_t ldp, const StoredElem<kType>* v, 
   const int64_t full = Dv / W * W;
   for (int64_t j0 = 0; j0 < n; j0 += kValueRun) {
     const int64_t m = std::min(kValueRun, n - j0);
-    const StoredElem<kType>* values = v + j0 * ldv;
-    prefetch_rows(values + kValueRun * ldv, ldv, std::min(kValueRun, n - j0 - m), Dv);  // the next run's rows
+    const void* const* run = values + j0;
+    for (int64_t j = j0 + m; j < std::min(n, j0 + m + kValueRun); ++j) {  // the next run's rows
+      prefetch_rows(stored_row<kType>(values[j]), 0, 1, Dv);
+    }
     for (int64_t j = 0; j < m; ++j) {
-      const float factor = row_factor<kType>(scale, (j0 + j) * scale_stride);
-      for (int r = 0; r < R; ++r) weights[r * kValueRun + j] = p[r * ldp + j0 + j] * factor;
+      for (int r = 0; r < R; ++r) weights[r * kValueRun + j] = p[r * ldp + j0 + j] * factors[j0 + j];
     }
     int64_t d = 0;
-    for (; d + C * W <= full; d += C * W) pass(std::integral_constant<int, C>{}, d, values, m);
-    for (; d < full; d += W) pass(std::integral_constant<int, 1>{}, d, values, m);
+    for (; d + C * W <= full; d += C * W) pass(std::integral_constant<int, C>{}, d, run, m);
+    for (; d < full; d += W) pass(std::integral_constant<int, 1>{}, d, run, m);
     for (; d < Dv; ++d) {
       for (int64_t j = 0; j < m; ++j) {
-        const float stored = stored_value<kType>(values[j * ldv + d]);
+        const float stored = stored_value<kType>(stored_row<kType>(run[j])[d]);
         for (int r = 0; r < R; ++r) o[r * ldo + d] += weights[r * kValueRun + j] * stored;
       }
     }
@@ -1636,21 +1660,23 @@ inline void prefetch_next_run(const Params& p, const View& view, int64_t b, int6
 }
 
 // The scores s (rows × n, row stride lds) of query rows q (packed, rows × D) against the keys k0 .. k0 + n of
-// head hk of batch row b, within one cache block read in place (an 8-bit cache, or bf16: decode_impl's `stored`):
-// stored_row_dots, kDotRows rows at a time. The operands are float wherever this is reached. `following`: how many
-// keys after these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
+// head hk of batch row b, read in place (an 8-bit cache, or bf16: decode_impl's `stored`) across the cache's
+// blocks: stored_row_dots, kDotRows rows at a time, over the rows find_stored_rows lists in `found` and
+// `factors` (room for n each). The operands are float wherever this is reached. `following`: how many keys after
+// these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
 template <typename Q, typename S>
 void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
-                   int64_t lds, int64_t following) {
+                   int64_t lds, int64_t following, const void** found, float* factors) {
   if constexpr (std::is_same_v<Q, float> && std::is_same_v<S, float>) {
-    const float* scale = p.cache == CacheType::Plain ? nullptr : scale_row(p, p.k_scale, b, hk, k0);
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
-        using Elem = StoredElem<decltype(type)::value>;
-        const Elem* keys = key_row(p, p.key, static_cast<const Elem*>(p.key.data), b, hk, k0);
-        if (r0 == 0) prefetch_next_run<Elem>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
-        stored_row_dots<decltype(type)::value, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, keys, p.key.s[2],
-                                                                       scale, p.k_scale.s[2], n, s + r0 * lds, lds);
+        constexpr CacheType kType = decltype(type)::value;
+        if (r0 == 0) {
+          find_stored_rows<kType>(p, p.key, p.k_scale, b, hk, k0, n, found, factors);
+          prefetch_next_run<StoredElem<kType>>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
+        }
+        stored_row_dots<kType, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, found, factors, n, s + r0 * lds,
+                                                       lds);
       });
     }
   } else {
@@ -1659,19 +1685,22 @@ void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t
 }
 
 // o (rows × D_v, row stride ldo) = or += prob (rows × n, row stride ldp) times the values k0 .. k0 + n of head hk of
-// batch row b, within one cache block read in place: add_stored_values, kDotRows rows at a time.
+// batch row b, read in place across the cache's blocks: add_stored_values, kDotRows rows at a time (found, factors:
+// as stored_scores').
 template <typename P, typename O>
 void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t rows, int64_t b, int64_t hk,
-                           int64_t k0, int64_t n, O* o, int64_t ldo, bool add, int64_t following) {
+                           int64_t k0, int64_t n, O* o, int64_t ldo, bool add, int64_t following, const void** found,
+                           float* factors) {
   if constexpr (std::is_same_v<P, float> && std::is_same_v<O, float>) {
-    const float* scale = p.cache == CacheType::Plain ? nullptr : scale_row(p, p.v_scale, b, hk, k0);
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
-        using Elem = StoredElem<decltype(type)::value>;
-        const Elem* values = key_row(p, p.value, static_cast<const Elem*>(p.value.data), b, hk, k0);
-        if (r0 == 0) prefetch_next_run<Elem>(p, p.value, b, hk, k0 + n, following, p.dim_v);
-        add_stored_values<decltype(type)::value, decltype(count)::value>(
-            prob + r0 * ldp, ldp, values, p.value.s[2], scale, p.v_scale.s[2], n, p.dim_v, o + r0 * ldo, ldo, add);
+        constexpr CacheType kType = decltype(type)::value;
+        if (r0 == 0) {
+          find_stored_rows<kType>(p, p.value, p.v_scale, b, hk, k0, n, found, factors);
+          prefetch_next_run<StoredElem<kType>>(p, p.value, b, hk, k0 + n, following, p.dim_v);
+        }
+        add_stored_values<kType, decltype(count)::value>(prob + r0 * ldp, ldp, found, factors, n, p.dim_v,
+                                                         o + r0 * ldo, ldo, add);
       });
     }
   } else {
@@ -1725,6 +1754,7 @@ void decode_impl(const Params& p) {
   const size_t scratch_bytes = Scratch::bytes<ct>(rows * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
                                (k_as_float_rows ? Scratch::bytes<ct>(BK * D) : 0) +
                                (v_in_place || v_stored ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
+                               (stored ? Scratch::bytes<const void*>(BK) + Scratch::bytes<float>(BK) : 0) +
                                Buffers::bytes(p, rows, rows, BK, BKpad);
   // With splits, each item's normalised output and log-sum-exp per row, merged afterwards.
   std::vector<acc_t> partial_out(splits > 1 ? items * rows * Dv : 0), partial_lse(splits > 1 ? items * rows : 0);
@@ -1744,6 +1774,9 @@ void decode_impl(const Params& p) {
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* krows = k_as_float_rows ? scratch.take<ct>(BK * D) : nullptr;
     ct* vbuf = v_in_place || v_stored ? nullptr : scratch.take<ct>(BKpad * Dv);
+    // A key block's rows read in place (K's, then V's) and their scales' factors: find_stored_rows.
+    const void** found_rows = stored ? scratch.take<const void*>(BK) : nullptr;
+    float* row_factors = stored ? scratch.take<float>(BK) : nullptr;
     Buffers buffers(scratch, p, rows, rows, BK, BKpad);
     acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_shift = buffers.row_shift, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
@@ -1776,9 +1809,7 @@ void decode_impl(const Params& p) {
           pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
           gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
         } else if (k_stored) {
-          for_each_run([&](int64_t j0, int64_t n) {
-            stored_scores(p, qbuf, rows, b, hk, k0 + j0, n, sbuf + j0, bk, k_end - (k0 + j0 + n));
-          });
+          stored_scores(p, qbuf, rows, b, hk, k0, bk, sbuf, bk, k_end - (k0 + bk), found_rows, row_factors);
         } else {
           const ct* k_float = krows;
           int64_t ldk = D;
@@ -1815,10 +1846,8 @@ void decode_impl(const Params& p) {
         }
         const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
         if (v_stored) {
-          for_each_run([&](int64_t j0, int64_t n) {
-            stored_values_product(p, pbuf + j0, ldp, rows, b, hk, k0 + j0, n, obuf, Dv, accumulate || j0 > 0,
-                                  k_end - (k0 + j0 + n));
-          });
+          stored_values_product(p, pbuf, ldp, rows, b, hk, k0, bk, obuf, Dv, accumulate, k_end - (k0 + bk), found_rows,
+                                row_factors);
         } else if (v_in_place) {
           for_each_run([&](int64_t j0, int64_t n) {
             gemm<ct, acc_t>(rows, Dv, n, pbuf + j0, ldp,
