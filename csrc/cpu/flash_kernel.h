@@ -397,12 +397,13 @@ inline int64_t keys_in_block(const Params& p, int64_t j, int64_t n) {
 // vector loops below build that fp16 by sign extension, a shift by 7 and bit 14 cleared, and convert it with F16C,
 // exactly whatever the denormal mode. e4m3fn's NaN (s 1111 111) reads as ±480: fused_attn.quantization saturates at
 // ±448, so a cache it wrote holds no NaN. The decode kernels read a plain bf16 cache's rows the same way (as
-// CacheType::Plain: the bf16 bits shifted into a float's upper half, no scale), where few query rows share them.
-template <CacheType kType>
-using StoredElem = std::conditional_t<kType == CacheType::Plain, c10::BFloat16, int8_t>;
+// CacheType::Plain: the bf16 bits shifted into a float's upper half, no scale), where few query rows share them, and
+// a paged float cache's rows as they are. PlainT: the type of a plain cache's elements.
+template <CacheType kType, typename PlainT = c10::BFloat16>
+using StoredElem = std::conditional_t<kType == CacheType::Plain, PlainT, int8_t>;
 
-template <CacheType kType>
-inline float stored_value(StoredElem<kType> byte) {
+template <CacheType kType, typename Elem>
+inline float stored_value(Elem byte) {
   if constexpr (kType != CacheType::Float8E4M3) {  // bf16, or an int8 value
     return static_cast<float>(byte);
   } else {
@@ -429,8 +430,9 @@ inline float row_factor(const float* scale, int64_t i) {
 }
 
 // stored_value of Vectorized<float>::size() bytes from src on, one per lane.
-template <CacheType kType>
-inline Vectorized<float> load_stored(const StoredElem<kType>* src) {
+template <CacheType kType, typename Elem>
+inline Vectorized<float> load_stored(const Elem* src) {
+  if constexpr (std::is_same_v<Elem, float>) return Vectorized<float>::loadu(src);
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (kType == CacheType::Plain) {
     const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
@@ -1542,18 +1544,18 @@ inline void with_cache_and_rows(CacheType cache, int64_t rows, const F& f) {
 // wherever a paged cache's blocks put them (one look-up in the block table per cache block), and the factor of each
 // (row_factor): the row readers below then walk a key block whole, across its cache blocks. Its rows are typeless
 // (one scratch buffer serves every cache type); stored_row gives them their type back.
-template <CacheType kType>
-inline const StoredElem<kType>* stored_row(const void* row) {
-  return static_cast<const StoredElem<kType>*>(row);
+template <CacheType kType, typename PlainT>
+inline const StoredElem<kType, PlainT>* stored_row(const void* row) {
+  return static_cast<const StoredElem<kType, PlainT>*>(row);
 }
 
-template <CacheType kType>
+template <CacheType kType, typename PlainT>
 void find_stored_rows(const Params& p, const View& view, const View& scales, int64_t b, int64_t hk, int64_t k0,
                       int64_t n, const void** rows, float* factors) {
-  const auto* base = static_cast<const StoredElem<kType>*>(view.data);
+  const auto* base = static_cast<const StoredElem<kType, PlainT>*>(view.data);
   for (int64_t j = 0, count; j < n; j += count) {
     count = keys_in_block(p, k0 + j, n - j);
-    const StoredElem<kType>* first = key_row(p, view, base, b, hk, k0 + j);
+    const StoredElem<kType, PlainT>* first = key_row(p, view, base, b, hk, k0 + j);
     const float* scale = kType == CacheType::Plain ? nullptr : scale_row(p, scales, b, hk, k0 + j);
     for (int64_t i = 0; i < count; ++i) {
       rows[j + i] = first + i * view.s[2];
@@ -1564,15 +1566,15 @@ void find_stored_rows(const Params& p, const View& view, const View& scales, int
 
 // s[r · lds + j] = (q_r · k_j) · factor_j for r < R, j < n: q rows packed (R × D), the stored key rows at keys[j].
 // Two accumulators per row take alternate vectors of D.
-template <CacheType kType, int R>
+template <CacheType kType, typename PlainT, int R>
 void stored_row_dots(const float* q, int64_t D, const void* const* keys, const float* factors, int64_t n, float* s,
                      int64_t lds) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
   const int64_t full = D / W * W;
   for (int64_t j = 0; j < n; ++j) {
-    const StoredElem<kType>* key = stored_row<kType>(keys[j]);
-    if (j + kPrefetchRows < n) prefetch_rows(stored_row<kType>(keys[j + kPrefetchRows]), 0, 1, D);
+    const StoredElem<kType, PlainT>* key = stored_row<kType, PlainT>(keys[j]);
+    if (j + kPrefetchRows < n) prefetch_rows(stored_row<kType, PlainT>(keys[j + kPrefetchRows]), 0, 1, D);
     V acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = V(0.f);
     int64_t d = 0;
@@ -1601,7 +1603,7 @@ constexpr int64_t kValueRun = 64;
 // o[r · ldo + d] (= or +=) Σ_j p[r · ldp + j] · factor_j · v_j[d] for r < R, d < Dv, j < n: the stored value rows at
 // values[j]. Per run of keys, the weights p · factor first, then C vectors of D at a time against every key of the
 // run (C · R accumulators, at least 4 chains of multiply-adds).
-template <CacheType kType, int R>
+template <CacheType kType, typename PlainT, int R>
 void add_stored_values(const float* p, int64_t ldp, const void* const* values, const float* factors,
                        int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
   using V = Vectorized<float>;
@@ -1619,7 +1621,7 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
     }
     for (int64_t j = 0; j < m; ++j) {
       for (int c = 0; c < kChunks; ++c) {
-        const V stored = load_stored<kType>(stored_row<kType>(run[j]) + d + c * W);
+        const V stored = load_stored<kType>(stored_row<kType, PlainT>(run[j]) + d + c * W);
         for (int r = 0; r < R; ++r) acc[c][r] = at::vec::fmadd(V(weights[r * kValueRun + j]), stored, acc[c][r]);
       }
     }
@@ -1632,7 +1634,7 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
     const int64_t m = std::min(kValueRun, n - j0);
     const void* const* run = values + j0;
     for (int64_t j = j0 + m; j < std::min(n, j0 + m + kValueRun); ++j) {  // the next run's rows
-      prefetch_rows(stored_row<kType>(values[j]), 0, 1, Dv);
+      prefetch_rows(stored_row<kType, PlainT>(values[j]), 0, 1, Dv);
     }
     for (int64_t j = 0; j < m; ++j) {
       for (int r = 0; r < R; ++r) weights[r * kValueRun + j] = p[r * ldp + j0 + j] * factors[j0 + j];
@@ -1642,7 +1644,7 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
     for (; d < full; d += W) pass(std::integral_constant<int, 1>{}, d, run, m);
     for (; d < Dv; ++d) {
       for (int64_t j = 0; j < m; ++j) {
-        const float stored = stored_value<kType>(stored_row<kType>(run[j])[d]);
+        const float stored = stored_value<kType>(stored_row<kType, PlainT>(run[j])[d]);
         for (int r = 0; r < R; ++r) o[r * ldo + d] += weights[r * kValueRun + j] * stored;
       }
     }
@@ -1664,7 +1666,7 @@ inline void prefetch_next_run(const Params& p, const View& view, int64_t b, int6
 // blocks: stored_row_dots, kDotRows rows at a time, over the rows find_stored_rows lists in `found` and
 // `factors` (room for n each). The operands are float wherever this is reached. `following`: how many keys after
 // these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
-template <typename Q, typename S>
+template <typename PlainT, typename Q, typename S>
 void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
                    int64_t lds, int64_t following, const void** found, float* factors) {
   if constexpr (std::is_same_v<Q, float> && std::is_same_v<S, float>) {
@@ -1672,11 +1674,11 @@ void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
         constexpr CacheType kType = decltype(type)::value;
         if (r0 == 0) {
-          find_stored_rows<kType>(p, p.key, p.k_scale, b, hk, k0, n, found, factors);
-          prefetch_next_run<StoredElem<kType>>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
+          find_stored_rows<kType, PlainT>(p, p.key, p.k_scale, b, hk, k0, n, found, factors);
+          prefetch_next_run<StoredElem<kType, PlainT>>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
         }
-        stored_row_dots<kType, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, found, factors, n, s + r0 * lds,
-                                                       lds);
+        stored_row_dots<kType, PlainT, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, found, factors, n,
+                                                               s + r0 * lds, lds);
       });
     }
   } else {
@@ -1687,7 +1689,7 @@ void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t
 // o (rows × D_v, row stride ldo) = or += prob (rows × n, row stride ldp) times the values k0 .. k0 + n of head hk of
 // batch row b, read in place across the cache's blocks: add_stored_values, kDotRows rows at a time (found, factors:
 // as stored_scores').
-template <typename P, typename O>
+template <typename PlainT, typename P, typename O>
 void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t rows, int64_t b, int64_t hk,
                            int64_t k0, int64_t n, O* o, int64_t ldo, bool add, int64_t following, const void** found,
                            float* factors) {
@@ -1696,10 +1698,10 @@ void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t 
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
         constexpr CacheType kType = decltype(type)::value;
         if (r0 == 0) {
-          find_stored_rows<kType>(p, p.value, p.v_scale, b, hk, k0, n, found, factors);
-          prefetch_next_run<StoredElem<kType>>(p, p.value, b, hk, k0 + n, following, p.dim_v);
+          find_stored_rows<kType, PlainT>(p, p.value, p.v_scale, b, hk, k0, n, found, factors);
+          prefetch_next_run<StoredElem<kType, PlainT>>(p, p.value, b, hk, k0 + n, following, p.dim_v);
         }
-        add_stored_values<kType, decltype(count)::value>(prob + r0 * ldp, ldp, found, factors, n, p.dim_v,
+        add_stored_values<kType, PlainT, decltype(count)::value>(prob + r0 * ldp, ldp, found, factors, n, p.dim_v,
                                                          o + r0 * ldo, ldo, add);
       });
     }
@@ -1740,9 +1742,13 @@ void decode_impl(const Params& p) {
   const bool k_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
   const bool v_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
   // An 8-bit cache's bytes feed both products themselves where they are few rows' and contiguous along D, and so do
-  // bf16 rows under at most kDotRows float rows (no float copy of them written and read back).
+  // bf16 rows under at most kDotRows float rows (no float copy of them written and read back), and a paged float
+  // cache's rows (in place too, but walked a key block at a time, not one product per cache block).
   constexpr bool bf16_in_float = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<ct, float>;
-  const bool stored = quantized ? rows <= kStoredRows : bf16_in_float && rows <= kDotRows;
+  constexpr bool float_rows = std::is_same_v<scalar_t, float> && std::is_same_v<ct, float>;
+  const bool stored = quantized ? rows <= kStoredRows
+                                : (bf16_in_float || (float_rows && p.pages != nullptr)) && rows <= kDotRows;
+  using PlainRows = std::conditional_t<float_rows, float, c10::BFloat16>;  // what a plain cache is read as
   const bool k_stored = stored && p.key.s[3] == 1;
   const bool v_stored = stored && p.value.s[3] == 1;
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
@@ -1809,7 +1815,8 @@ void decode_impl(const Params& p) {
           pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
           gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
         } else if (k_stored) {
-          stored_scores(p, qbuf, rows, b, hk, k0, bk, sbuf, bk, k_end - (k0 + bk), found_rows, row_factors);
+          stored_scores<PlainRows>(p, qbuf, rows, b, hk, k0, bk, sbuf, bk, k_end - (k0 + bk), found_rows,
+                                   row_factors);
         } else {
           const ct* k_float = krows;
           int64_t ldk = D;
@@ -1846,8 +1853,8 @@ void decode_impl(const Params& p) {
         }
         const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
         if (v_stored) {
-          stored_values_product(p, pbuf, ldp, rows, b, hk, k0, bk, obuf, Dv, accumulate, k_end - (k0 + bk), found_rows,
-                                row_factors);
+          stored_values_product<PlainRows>(p, pbuf, ldp, rows, b, hk, k0, bk, obuf, Dv, accumulate,
+                                           k_end - (k0 + bk), found_rows, row_factors);
         } else if (v_in_place) {
           for_each_run([&](int64_t j0, int64_t n) {
             gemm<ct, acc_t>(rows, Dv, n, pbuf + j0, ldp,
