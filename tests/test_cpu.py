@@ -135,7 +135,7 @@ def run_on_instruction_set(isa, script):
 def test_every_instruction_set_meets_criterion(isa):
     """Each compiled copy of the kernels, forced with FUSED_ATTN_CPU_ISA in a fresh process; dropout
     and the score variants included (each copy has its own Philox rounds and tanh), and the decode cases
-    (each copy reads bf16 and 8-bit cache rows with its own vector loads)."""
+    (each copy reads bf16, float and 8-bit cache rows with its own vector loads)."""
     run_on_instruction_set(isa, (
         "import torch, tests.test_cpu as t\n"
         "g = torch.Generator().manual_seed(1)\n"
@@ -147,7 +147,9 @@ def test_every_instruction_set_meets_criterion(isa):
         "                 t.VARIANT_CASES['everything'], t.VARIANT_CASES['softcap_alibi_additive'],\n"
         "                 *t.DECODE_CASES.values()):\n"
         "        inputs = t.testing.random_inputs(case, dtype, 1, g)\n"
-        "        t.testing.check_inputs(t.testing.run_attention(inputs, 'cpu'), inputs)\n"))
+        "        t.testing.check_inputs(t.testing.run_attention(inputs, 'cpu'), inputs)\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    t.check_plain_paged_decode(g, dtype)\n"))
 
 
 def test_aten_cpu_capability_is_honoured(monkeypatch):
@@ -769,6 +771,45 @@ def test_program_of_full_tiles_equals_no_program(generator, monkeypatch):
     with_program = testing.run_attention(dataclasses.replace(inputs, program=program), "cpu")
     for name, value in plain.named().items():
         assert torch.equal(value, with_program.named()[name]), name
+
+
+def check_plain_paged_decode(generator, dtype):
+    """A float or bf16 paged cache read in place by the decode kernels (few rows an item): each key block's rows listed
+    across cache blocks of 7 keys, the keys split between two items (the second split starts inside a cache block),
+    a window, head dims with vector tails in both products; unused blocks and the last block's tail hold NaN."""
+    from fused_attn.scores import variant_of
+
+    heads_q, heads_kv, block_size, dim, dim_v, length = 4, 2, 7, 20, 12, 1100
+    max_blocks = -(-length // block_size) + 1
+    len_k, num_blocks = max_blocks * block_size, max_blocks + 3
+    block_table = torch.randperm(num_blocks, generator=generator)[:max_blocks].view(1, max_blocks).int()
+    k_blocks, v_blocks = (torch.randn(num_blocks, block_size, heads_kv, d, generator=generator).to(dtype)
+                          for d in (dim, dim_v))
+    keys_past_end = block_table.long().repeat_interleave(block_size)[length:], torch.arange(length, len_k) % block_size
+    unused = torch.ones(num_blocks, dtype=torch.bool)
+    unused[block_table.long()] = False
+    for blocks in (k_blocks, v_blocks):
+        blocks[unused] = float("nan")
+        blocks[keys_past_end] = float("nan")
+    padding = torch.arange(len_k)[None, :] >= length
+    query = testing.strided(torch.randn(1, heads_q, 1, dim, generator=generator).to(dtype), "heads_inner")
+    variant = variant_of(query, "bottom_right", (600, -1), None, None)
+
+    def forward_paged(backend, q, k, v):
+        out = torch.full((1, 1, heads_q, dim_v), float("nan"), dtype=q.dtype).transpose(1, 2)
+        lse = registry.get(backend).forward_paged(q, k, v, block_table, None, padding, False, dim ** -0.5, out, variant)
+        return testing.Results(out, lse)
+
+    with torch_threads(2):  # two items of keys per head: the split
+        actual = forward_paged("cpu", query, k_blocks, v_blocks)
+    exact = forward_paged("reference", query.double(), k_blocks.double(), v_blocks.double())
+    same_dtype = forward_paged("reference", query, k_blocks, v_blocks)
+    testing.assert_close_to_reference(actual, exact, same_dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_plain_paged_decode_meets_criterion(generator, small_blocks, dtype):
+    check_plain_paged_decode(generator, dtype)
 
 
 # 8-bit key/value caches (fused_attn.quantization) read by paged_forward in place, against the reference backend's

@@ -404,7 +404,7 @@ using StoredElem = std::conditional_t<kType == CacheType::Plain, PlainT, int8_t>
 
 template <CacheType kType, typename Elem>
 inline float stored_value(Elem byte) {
-  if constexpr (kType != CacheType::Float8E4M3) {  // bf16, or an int8 value
+  if constexpr (kType != CacheType::Float8E4M3) {  // float, bf16, or an int8 value
     return static_cast<float>(byte);
   } else {
     const auto bits = static_cast<uint8_t>(byte);
@@ -429,9 +429,11 @@ inline float row_factor(const float* scale, int64_t i) {
   }
 }
 
-// stored_value of Vectorized<float>::size() bytes from src on, one per lane.
+// stored_value of Vectorized<float>::size() elements from src on, one per lane.
 template <CacheType kType, typename Elem>
 inline Vectorized<float> load_stored(const Elem* src) {
+  static_assert(kType != CacheType::Plain || std::is_same_v<Elem, float> || std::is_same_v<Elem, c10::BFloat16>,
+                "a plain cache's rows are read as float or bf16");
   if constexpr (std::is_same_v<Elem, float>) return Vectorized<float>::loadu(src);
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (kType == CacheType::Plain) {
@@ -1654,18 +1656,18 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
 // The first rows of the `following` keys from j on (head hk of batch row b in `view`, of elements T), as far as
 // kPrefetchRows and j's cache block reach.
 template <typename T>
-inline void prefetch_next_run(const Params& p, const View& view, int64_t b, int64_t hk, int64_t j, int64_t following,
-                              int64_t dim) {
+inline void prefetch_following_keys(const Params& p, const View& view, int64_t b, int64_t hk, int64_t j,
+                                    int64_t following, int64_t dim) {
   if (following <= 0) return;
   const T* first = key_row(p, view, static_cast<const T*>(view.data), b, hk, j);
   prefetch_rows(first, view.s[2], keys_in_block(p, j, std::min(kPrefetchRows, following)), dim);
 }
 
 // The scores s (rows × n, row stride lds) of query rows q (packed, rows × D) against the keys k0 .. k0 + n of
-// head hk of batch row b, read in place (an 8-bit cache, or bf16: decode_impl's `stored`) across the cache's
-// blocks: stored_row_dots, kDotRows rows at a time, over the rows find_stored_rows lists in `found` and
-// `factors` (room for n each). The operands are float wherever this is reached. `following`: how many keys after
-// these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
+// head hk of batch row b, read in place (an 8-bit cache, bf16, or a paged float cache: decode_impl's `stored`)
+// across the cache's blocks: stored_row_dots, kDotRows rows at a time, over the rows find_stored_rows lists in
+// `found` and `factors` (room for n each). The operands are float wherever this is reached. `following`: how many
+// keys after these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
 template <typename PlainT, typename Q, typename S>
 void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
                    int64_t lds, int64_t following, const void** found, float* factors) {
@@ -1675,7 +1677,7 @@ void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t
         constexpr CacheType kType = decltype(type)::value;
         if (r0 == 0) {
           find_stored_rows<kType, PlainT>(p, p.key, p.k_scale, b, hk, k0, n, found, factors);
-          prefetch_next_run<StoredElem<kType, PlainT>>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
+          prefetch_following_keys<StoredElem<kType, PlainT>>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
         }
         stored_row_dots<kType, PlainT, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, found, factors, n,
                                                                s + r0 * lds, lds);
@@ -1699,7 +1701,7 @@ void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t 
         constexpr CacheType kType = decltype(type)::value;
         if (r0 == 0) {
           find_stored_rows<kType, PlainT>(p, p.value, p.v_scale, b, hk, k0, n, found, factors);
-          prefetch_next_run<StoredElem<kType, PlainT>>(p, p.value, b, hk, k0 + n, following, p.dim_v);
+          prefetch_following_keys<StoredElem<kType, PlainT>>(p, p.value, b, hk, k0 + n, following, p.dim_v);
         }
         add_stored_values<kType, PlainT, decltype(count)::value>(prob + r0 * ldp, ldp, found, factors, n, p.dim_v,
                                                          o + r0 * ldo, ldo, add);
@@ -1736,8 +1738,8 @@ void decode_impl(const Params& p) {
   const int64_t splits = decode_splits(p, at::get_num_threads());
   const int64_t items = p.batch * p.heads_kv * splits;
   // K rows feed the scores, and V rows the B operand of P V, as they lie when they are float and
-  // contiguous along D; bf16/fp16 rows computed in float are converted row by row (no transpose), and an
-  // 8-bit cache's rows dequantized so.
+  // contiguous along D (a paged float cache's, under few rows, through the stored readers below); bf16/fp16 rows
+  // computed in float are converted row by row (no transpose), and an 8-bit cache's rows dequantized so.
   const bool quantized = p.cache != CacheType::Plain;
   const bool k_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
   const bool v_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
@@ -1752,8 +1754,9 @@ void decode_impl(const Params& p) {
   const bool k_stored = stored && p.key.s[3] == 1;
   const bool v_stored = stored && p.value.s[3] == 1;
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
-  // A paged cache's key blocks span its blocks (every row operation runs block by block, run by run) except where
-  // a product packs K or V whole: VNNI pairs, or Kᵀ of in-place rows for more than kDotRows rows.
+  // A paged cache's key blocks span its blocks (the stored readers list a block's rows across them; the other row
+  // operations run cache block by cache block) except where a product packs K or V whole: VNNI pairs, or Kᵀ of
+  // in-place rows for more than kDotRows rows.
   const bool spans_pages = !vnni && !(k_in_place && rows > kDotRows);
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);
   using Buffers = SoftmaxBuffers<acc_t, ct>;
