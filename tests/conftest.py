@@ -20,11 +20,14 @@ if not HAS_CUDA:
 
 # First: xdist's worker reads the xdist_group markers into the node ids (`--dist loadgroup`) in its own
 # pytest_collection_modifyitems, which would otherwise run before this one and see no marker at all.
+# Then the tests that read the static GPU report go last (a stable sort, the same in every worker): they wait for
+# it, and first in the files' order they held both workers idle for minutes while one core compiled it.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "static_gpu_report" in getattr(item, "fixturenames", ()):
+        if _reads_static_report(item):
             item.add_marker(STATIC_REPORT_GROUP)
+    items.sort(key=_reads_static_report)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
@@ -75,10 +78,14 @@ def _write_shared_report(pending, path) -> None:
     partial.rename(path)  # whole or absent, for the readers
 
 
+def _reads_static_report(item) -> bool:
+    return "static_gpu_report" in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_finish(session):
     global _pending_report, _report_writer
     if session.config.option.collectonly or \
-            not any("static_gpu_report" in getattr(item, "fixturenames", ()) for item in session.items):
+            not any(_reads_static_report(item) for item in session.items):
         return
     from bench import inspect
 
