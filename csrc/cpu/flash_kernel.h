@@ -925,7 +925,9 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
     if constexpr (std::is_same_v<ct, acc_t>) {
       scale_row(out, done, factor);
     } else {
-      for (int64_t i = 0; i < done; i += 2 * W) store_two(out + i, exp_of(V::loadu(s + i)), exp_of(V::loadu(s + i + W)));
+      for (int64_t i = 0; i < done; i += 2 * W) {
+        store_two(out + i, exp_of(V::loadu(s + i)), exp_of(V::loadu(s + i + W)));
+      }
     }
   };
   int64_t j = 0;
@@ -1542,15 +1544,16 @@ inline void with_cache_and_rows(CacheType cache, int64_t rows, const F& f) {
   }
 }
 
-// The stored rows of keys k0 .. k0 + n of head hk of batch row b in `view` (p.key or p.value, scaled by `scales`),
-// wherever a paged cache's blocks put them (one look-up in the block table per cache block), and the factor of each
-// (row_factor): the row readers below then walk a key block whole, across its cache blocks. Its rows are typeless
-// (one scratch buffer serves every cache type); stored_row gives them their type back.
+// A row of find_stored_rows' list with its element type back (the list is typeless: one scratch buffer serves every
+// cache type).
 template <CacheType kType, typename PlainT>
 inline const StoredElem<kType, PlainT>* stored_row(const void* row) {
   return static_cast<const StoredElem<kType, PlainT>*>(row);
 }
 
+// The stored rows of keys k0 .. k0 + n of head hk of batch row b in `view` (p.key or p.value, scaled by `scales`),
+// wherever a paged cache's blocks put them (one look-up in the block table per cache block), and the factor of each
+// (row_factor): the row readers below then walk a key block whole, across its cache blocks.
 template <CacheType kType, typename PlainT>
 void find_stored_rows(const Params& p, const View& view, const View& scales, int64_t b, int64_t hk, int64_t k0,
                       int64_t n, const void** rows, float* factors) {
