@@ -19,11 +19,11 @@ static shared memory.
 
 The tensor-descriptor variants (`triton_kernels` DESCRIPTORS: the forward's Q, K, V and O, the backward's Q, K, V,
 dO, dQ, dK and dV through `tl.make_tensor_descriptor`) have rows of their own for sm_90 and sm_100, the forward's
-plain and warp-specialized ("fwd_desc", "fwd_desc_ws"), the backward's dK/dV and dQ ("bwd_dkdv_desc",
-"bwd_dq_desc"), over what they serve (no packed batch, no paged cache); they add the TMA instructions of the
-SASS (UTMALDG loads must be there, UTMASTG stores), the global scratch memory the descriptors take per program,
-whether Triton split the key loop into warp-specialized partitions (its TTGIR holds `ttg.warp_specialize`) and
-the warps a launch then takes.
+plain and warp-specialized ("fwd_desc", "fwd_desc_ws"), the backward's dK/dV and dQ, plain and warp-specialized
+too ("bwd_dkdv_desc", "bwd_dq_desc", "bwd_dkdv_desc_ws", "bwd_dq_desc_ws"), over what they serve (no packed batch,
+no paged cache); they add the TMA instructions of the SASS (UTMALDG loads must be there, UTMASTG stores), the
+global scratch memory the descriptors take per program, whether Triton split the loop into warp-specialized
+partitions (its TTGIR holds `ttg.warp_specialize`) and the warps a launch then takes.
 
 The kernels are specialised exactly as a launch would specialise them (the JIT's own routine, found
 by `fused_attn.backends.triton_compat`) for a representative call: (B, L, H, D) tensors as
@@ -80,15 +80,20 @@ HEAD_DIMS = (64, 128)
 # The tensor-descriptor variants (triton_kernels.DESCRIPTOR_KERNELS), as report rows of their own, each {name: (the
 # kernel, its config's switches)}: the forward at its default config with Q, K, V and O through tensor descriptors
 # ("fwd_desc"), and with its key loop warp-specialized too ("fwd_desc_ws"); the dK/dV and dQ kernels with Q, K, V,
-# dO and their gradients through descriptors; the split-KV decode kernel with a dense cache's K and V through
+# dO and their gradients through descriptors, and with their loops warp-specialized ("bwd_dkdv_desc_ws",
+# "bwd_dq_desc_ws"); the split-KV decode kernel with a dense cache's K and V through
 # descriptors, at its fixed config; compiled for the targets with TMA. Their SASS must hold TMA loads
 # (UTMALDG).
 DESCRIPTOR_VARIANTS = {"fwd_desc": ("fwd", dict(descriptors=True)),
                        "fwd_desc_ws": ("fwd", dict(descriptors=True, warp_specialize=True)),
                        "bwd_dkdv_desc": ("bwd_dkdv", dict(descriptors=True)),
+                       "bwd_dkdv_desc_ws": ("bwd_dkdv", dict(descriptors=True, warp_specialize=True)),
                        "bwd_dq_desc": ("bwd_dq", dict(descriptors=True)),
+                       "bwd_dq_desc_ws": ("bwd_dq", dict(descriptors=True, warp_specialize=True)),
                        "decode_desc": ("decode", dict(descriptors=True))}
 DESCRIPTOR_TARGETS = ("sm_90", "sm_100")
+WARP_SPECIALIZED_VARIANTS = tuple(name for name, (_, switches) in DESCRIPTOR_VARIANTS.items()
+                                  if switches.get("warp_specialize"))
 # The operation of Triton's GPU dialect holding the partitions of a warp-specialized loop.
 WARP_SPECIALIZE_OP = re.compile(r"\bttg\.warp_specialize\b")
 KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "decode_combine", *DESCRIPTOR_VARIANTS)
@@ -102,7 +107,7 @@ def kernels(target: str) -> tuple[str, ...]:
     from fused_attn.backends import triton_compat
 
     offered = [k for k in KERNELS if (k not in DESCRIPTOR_VARIANTS or triton_compat.tensor_descriptors() is None)
-               and (k != "fwd_desc_ws" or triton_compat.warp_specialization())]
+               and (k not in WARP_SPECIALIZED_VARIANTS or triton_compat.warp_specialization())]
     return tuple(k for k in offered if k not in DESCRIPTOR_VARIANTS or target in DESCRIPTOR_TARGETS)
 
 
@@ -143,7 +148,7 @@ def base_kernel(kernel: str) -> str:
 
 
 def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
-    if kernel == "fwd_desc_ws":  # what the autotuner offers it for (triton_kernels.warp_specializable)
+    if kernel in WARP_SPECIALIZED_VARIANTS:  # what the autotuner offers them for (triton_kernels.warp_specializable)
         return VARIANTS[:3]
     if kernel in DESCRIPTOR_VARIANTS:  # what a descriptor serves: no packed batch, no paged cache
         return tuple(v for v in variants(base_kernel(kernel)) if v[3] not in (PACKED, *PAGED_CACHES))

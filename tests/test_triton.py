@@ -1359,14 +1359,14 @@ def backward_tensors(inputs: testing.Inputs) -> dict:
 
 
 class _Recording:
-    """A kernel whose launches record their DESCRIPTORS constexpr into `variants[name]`."""
+    """A kernel whose launches record one constexpr (DESCRIPTORS unless named) into `variants[name]`."""
 
-    def __init__(self, name, kernel, variants):
-        self.name, self.kernel, self.variants = name, kernel, variants
+    def __init__(self, name, kernel, variants, constexpr="DESCRIPTORS"):
+        self.name, self.kernel, self.variants, self.constexpr = name, kernel, variants, constexpr
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.variants.setdefault(self.name, []).append(kwargs["DESCRIPTORS"])
+            self.variants.setdefault(self.name, []).append(kwargs[self.constexpr])
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -1403,6 +1403,31 @@ def test_descriptor_kernels_match_reference(name, dtype, rotation, generator, mo
         results = run_backend(inputs)
     assert variants == {"fwd": [not forward], "bwd_dkdv": [not backward], "bwd_dq": [not backward]}, (forward,
                                                                                                      backward)
+    testing.check_inputs(results, inputs)
+
+
+# The calls the warp-specialized variants are offered for (no score variant, padding, sinks, mask or program:
+# triton_kernels.NOT_WARP_SPECIALIZED): plain, causal, grouped heads, dropout, unequal lengths and head dims.
+WARP_SPECIALIZED_CASES = ("plain", "causal", "causal_short_queries", "gqa", "head_dim_40_dv_24", "dropout")
+
+
+@needs_descriptors
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", WARP_SPECIALIZED_CASES)
+def test_warp_specialized_kernels_match_reference(name, dtype, generator, monkeypatch):
+    """The forward, dK/dV and dQ kernels at configs with their loops warp-specialized (which the interpreter runs as
+    written) give what the reference gives, by the same criterion, with the variant's constexpr in every launch."""
+    case = CASES[name]
+    inputs = descriptor_inputs(case, dtype, 0, generator)
+    assert not tk.descriptor_refusals(forward_tensors(inputs)) and not tk.descriptor_refusals(backward_tensors(inputs))
+    launched = {}
+    for kernel in tk.WARP_SPECIALIZED_KERNELS:
+        monkeypatch.setitem(tk.KERNELS, kernel, _Recording(kernel, tk.KERNELS[kernel], launched, "WARP_SPECIALIZE"))
+    forced = {kernel: dataclasses.replace(config, descriptors=True, warp_specialize=True)
+              for kernel, config in SMALL_TILES.items()}
+    with tk.forced_configs(**forced):
+        results = run_backend(inputs)
+    assert launched == {"fwd": [True], "bwd_dkdv": [True], "bwd_dq": [True]}
     testing.check_inputs(results, inputs)
 
 
@@ -1498,7 +1523,7 @@ def test_descriptor_mode_is_checked(monkeypatch):
 @pytest.mark.parametrize("mode", ["auto", "1"])
 def test_autotune_offers_the_descriptor_variant_beside_pointers(kernel, mode, monkeypatch):
     """On sm_90 the descriptor variant of each kept candidate joins them (alone with FUSED_ATTN_TRITON_DESCRIPTORS=1),
-    and, for the forward, the default's warp-specialized one where Triton has it; an autotuner without descriptors
+    and the default's warp-specialized one where Triton has it; an autotuner without descriptors
     offers none."""
     from fused_attn.backends import triton_compat
 

@@ -8,10 +8,10 @@ and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decod
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
 sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for the decode kernel's 16-row tiles), and shared memory fits
-the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's plain
-and warp-specialized, the backward's dK/dV and dQ and the decode kernel's, are compiled for sm_90 and sm_100
+the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's, dK/dV's and
+dQ's plain and warp-specialized and the decode kernel's, are compiled for sm_90 and sm_100
 too, and their SASS must hold TMA loads (UTMALDG), which no pointer kernel has. The rows are the triton rows of
-`python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of conftest.py; 644
+`python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of conftest.py; 692
 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 
@@ -125,3 +125,16 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
         estimate = tk.shared_memory_estimate(base, config, head_dim, head_dim, 2, dropout)
         assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,
                                                  scores)
+
+
+def test_warp_specialized_variants_split_their_loops_on_blackwell(rows):
+    """Read from the TTGIR, not assumed: on sm_100 every warp-specialized variant's loop is split into partitions
+    (`ttg.warp_specialize`), whose warps the launch adds to its own."""
+    specialized = [(c, row) for c, row in rows.items() if c[0] in triton_report.WARP_SPECIALIZED_VARIANTS]
+    if not specialized:
+        pytest.skip("this Triton offers no warp-specialized variant (triton_compat.warp_specialization)")
+    assert {c[0] for c, _ in specialized} == set(triton_report.WARP_SPECIALIZED_VARIANTS)
+    for combination, row in specialized:
+        if combination[1] == "sm_100":
+            warps = int(row["config"].split("warps=")[1].split(",")[0])
+            assert row["warp_specialized"] and row["launch_warps"] > warps, (combination, row["launch_warps"])

@@ -104,12 +104,12 @@ def tensor_descriptors() -> str | None:
 
 # The oldest release whose warp-specialized forward compiles without spills for every launch it is offered for
 # (bench/triton_report.py): 3.9.0. On 3.7.1 the causal one spilled on sm_100 (7 to 9 local loads/stores);
-# 3.8 has not been compiled.
+# 3.8 has not been compiled. The warp-specialized backward (dK/dV and dQ) has been compiled on 3.9.0 only.
 WARP_SPECIALIZED_FROM = (3, 9)
 
 
 def warp_specialization() -> bool:
-    """Whether the forward's warp-specialized variant is offered: `tl.range` takes warp_specialize (automatic warp
+    """Whether the warp-specialized variants (forward, dK/dV, dQ) are offered: `tl.range` takes warp_specialize (automatic warp
     specialization of a loop) and the release is WARP_SPECIALIZED_FROM or newer."""
     import triton.language as tl
 

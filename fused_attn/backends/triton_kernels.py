@@ -67,9 +67,9 @@ write dK, dV and dQ, through descriptors of each (batch row, head)'s (L, D) matr
 programs, the log-sum-exp, delta and a learned bias's gradient, is the same code and goes through pointers. TMA
 zero-fills rows and columns past a matrix's end, as the pointer loads' masks do; key padding, which a descriptor
 cannot skip, is zeroed after the load (`_descriptor_rows`). WARP_SPECIALIZE adds Triton's automatic warp
-specialization of the forward's key loop. The variant is an extra autotuning candidate on devices of
-DESCRIPTOR_CAPABILITY, beside the pointer configs, never the only one, for calls whose layouts TMA can read and that
-it serves (`descriptor_refusals`: a paged cache and packed batches keep pointers; the backward's two kernels take it
+specialization of each kernel's loop: the forward's and dQ's over keys, dK/dV's over queries. The variant is an
+extra autotuning candidate on devices of DESCRIPTOR_CAPABILITY, beside the pointer configs, never the only one, for
+calls whose layouts TMA can read and that it serves (`descriptor_refusals`: a paged cache and packed batches keep pointers; the backward's two kernels take it
 together, when every tensor of both allows); if Triton cannot compile it, the kernels go back to pointers for the
 process. FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it wherever it serves a call (the interpreter's tests), =0 never
 (`descriptor_mode`). It is offered from Triton 3.7 on, its warp-specialized form from 3.9 on (the releases where
@@ -716,13 +716,15 @@ def _attn_dkdv_queries(dk, dv, lo, hi, state, k, v, key_visible, offs_n, col_ok,
                        D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr, BANDED: tl.constexpr,
                        HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr,
                        HAS_PROGRAM: tl.constexpr, HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr,
-                       DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     """dK (unscaled) and dV after the query blocks lo, lo + BLOCK_M, .. below hi of one query head against
     the key block start_n .. (transposed tiles, keys along rows), all in the mask program's tile `state`
     (PROGRAM_FULL without a program); dS of each element written where HAS_MASK_GRAD. With DESCRIPTORS, Q and dO
-    are read through the head's descriptors q_desc and do_desc (`_rows_descriptor`), else through pointers."""
+    are read through the head's descriptors q_desc and do_desc (`_rows_descriptor`), else through pointers;
+    WARP_SPECIALIZE splits the loop into warps that load and warps that compute, as the forward's."""
     offs_n64 = offs_n.to(tl.int64)
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_m64 = offs_m.to(tl.int64)
         row_ok = offs_m < L_Q
@@ -785,8 +787,8 @@ def _attn_bwd_dkdv(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_PROGRAM: tl.constexpr,
-    HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_MASK_GRAD: tl.constexpr, PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One key block of one key/value head: dK and dV summed over its query heads and query blocks,
     and, with HAS_MASK_GRAD, dS of each of its (query, key) elements, the additive mask's gradient.
@@ -877,7 +879,7 @@ def _attn_bwd_dkdv(
                         stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn, H_Q, L_Q,
                         qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N,
                         D_QK, D_V, MASK_KIND, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM,
-                        HAS_MASK_GRAD, PRECISION, DESCRIPTORS, BLOCK_M, BLOCK_N)
+                        HAS_MASK_GRAD, PRECISION, DESCRIPTORS, WARP_SPECIALIZE, BLOCK_M, BLOCK_N)
         else:
             dk, dv = _attn_dkdv_queries(
                 dk, dv, lo, hi, PROGRAM_FULL, k, v, key_visible, offs_n, col_ok, offs_dqk, offs_dv, off_b, off_h,
@@ -885,7 +887,7 @@ def _attn_bwd_dkdv(
                 stride_qd, stride_gm, stride_gd, stride_lm, stride_mm, stride_dmb, stride_dmh, stride_dmm, stride_dmn,
                 H_Q, L_Q, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT, RIGHT, pid_n * BLOCK_N,
                 D_QK, D_V, MASK_KIND, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, VARLEN, HAS_PROGRAM, HAS_MASK_GRAD,
-                PRECISION, DESCRIPTORS, BLOCK_M, BLOCK_N)
+                PRECISION, DESCRIPTORS, WARP_SPECIALIZE, BLOCK_M, BLOCK_N)
 
     dk = dk * sm_scale
     if HAS_DROPOUT:
@@ -904,11 +906,12 @@ def _attn_dq_keys(dq, lo, hi, state, q, do, lse2, delta, k_base, v_base, k_desc,
                   slope2, softcap2, DIAG, LEFT, RIGHT, D_QK: tl.constexpr, D_V: tl.constexpr, MASK_KIND: tl.constexpr,
                   HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, HAS_PROGRAM: tl.constexpr, PRECISION: tl.constexpr,
-                  DESCRIPTORS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ (unscaled) after the key blocks lo, lo + BLOCK_N, .. below hi, all in the mask program's tile
     `state` (PROGRAM_FULL without a program); with HAS_KPM only the keys of the span [span_first, span_end)
-    are read. With DESCRIPTORS, K and V are read through the descriptors k_desc and v_desc (`_rows_descriptor`)."""
-    for start_n in range(lo, hi, BLOCK_N):
+    are read. With DESCRIPTORS, K and V are read through the descriptors k_desc and v_desc (`_rows_descriptor`);
+    WARP_SPECIALIZE splits the loop as the forward's."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_n64 = offs_n.to(tl.int64)
         col_ok = offs_n < L_K
@@ -955,7 +958,8 @@ def _attn_bwd_dq(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, VARLEN: tl.constexpr, HAS_PROGRAM: tl.constexpr,
-    PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One query block: dQ = dS K * scale over the key blocks it sees. With DESCRIPTORS (as the forward's), Q, dO,
     K and V are read and dQ written through tensor descriptors."""
@@ -1031,14 +1035,14 @@ def _attn_bwd_dq(
                     drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, stride_pn,
                     L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2, DIAG, LEFT,
                     RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM,
-                    PRECISION, DESCRIPTORS, BLOCK_N)
+                    PRECISION, DESCRIPTORS, WARP_SPECIALIZE, BLOCK_N)
     else:
         dq = _attn_dq_keys(
             dq, lo, hi, PROGRAM_FULL, q, do, lse2, delta, k_base, v_base, k_desc, v_desc, offs_m, offs_dqk, offs_dv,
             row_ok, mask_base, kpm_base, RNG, drop_bh, drop_sequence, BITS, stride_kn, stride_kd, stride_vn, stride_vd,
             stride_mn, stride_pn, L_K, span_first, span_end, qk_scale, drop_threshold, keep_scale, slope2, softcap2,
             DIAG, LEFT, RIGHT, D_QK, D_V, MASK_KIND, HAS_KPM, BANDED, HAS_DROPOUT, SOFTCAP, HAS_ALIBI, HAS_PROGRAM,
-            PRECISION, DESCRIPTORS, BLOCK_N)
+            PRECISION, DESCRIPTORS, WARP_SPECIALIZE, BLOCK_N)
 
     dq = dq * sm_scale
     _store_rows(DQ + off_b * stride_dqb + off_h * stride_dqh, dq.to(DQ.dtype.element_ty), pid_m * BLOCK_M, L_Q,
@@ -1060,7 +1064,7 @@ KERNELS = {
 # Kernels with a tensor-descriptor variant (the DESCRIPTORS constexpr), those of them whose key loop may be
 # warp-specialized too (WARP_SPECIALIZE), and the devices that run them: TMA, from Hopper on.
 DESCRIPTOR_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
-WARP_SPECIALIZED_KERNELS = ("fwd",)
+WARP_SPECIALIZED_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 DESCRIPTOR_CAPABILITY = (9, 0)
 
 
@@ -1716,7 +1720,8 @@ def _autotuned(kernel: str, descriptors: bool = False):
 
 # Launch features under which the warp-specialized forward spills registers on sm_100 (bench/triton_report.py: the
 # score variants with key padding, and mask programs, by hundreds of local loads), or which the report does not
-# compile it with (masks, paged caches): the autotuner offers it only without them.
+# compile it with (masks, paged caches): the autotuner offers it only without them. The warp-specialized backward
+# is compiled, and offered, for the same calls.
 NOT_WARP_SPECIALIZED = ("SOFTCAP", "HAS_ALIBI", "HAS_KPM", "HAS_SINKS", "HAS_PROGRAM", "PAGED", "MASK_KIND")
 
 
