@@ -735,18 +735,24 @@ inline BlockKeys block_keys(const Params& p, int64_t b, int64_t h, int64_t q0, i
 }
 
 // 2^t for t < 128 (up to rounding) and -inf, for probabilities rounded to bf16/fp16 next: ATen's
-// fexp_u20 (its polynomial, ~1e-4 relative error, and its construction of the exponent field)
-// without its range checks, which t never needs (a weight is at most e^kShiftSlack, 2^11.6): every t under -127,
-// -inf included, gives exactly +0 through the clamp on the bits of the result.
+// fexp_u20's polynomial in t's fraction f (~1e-4 relative error) without its range checks, which t never needs
+// (a weight is at most e^kShiftSlack, 2^11.6). On AVX-512 vscalefps multiplies it by 2^floor(t), masked to
+// t >= -126 because it takes a microcode assist wherever its result underflows (bench/NOTES.md section 52):
+// below 2^-126, -inf included, +0; NaN stays NaN. Elsewhere fexp_u20's construction of the exponent field, which
+// a clamp on the bits stops at +0 below 2^-127.
 inline Vectorized<float> exp2_of_weight(Vectorized<float> t) {
   using V = Vectorized<float>;
 #if defined(CPU_CAPABILITY_AVX512)
-  // t - floor(t) in one instruction, which also maps -inf to 0 (and the bits below to -inf, so +0).
-  const V fraction = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);  // t - floor(t) in one instruction
+  // 1 + f - correction(f), the cubic of the branch below.
+  __m512 power = _mm512_fmadd_ps(f, _mm512_set1_ps(0.079204240219773236f), _mm512_set1_ps(0.22433836478672356f));
+  power = _mm512_fmadd_ps(f, power, _mm512_set1_ps(1.f - 0.30354260500649682f));
+  power = _mm512_fmadd_ps(f, power, _mm512_set1_ps(1.f - 0.00010703434948458272f));
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.f), _CMP_NLT_UQ);
+  return _mm512_maskz_scalef_ps(normal, power, t);
 #else
   t = at::vec::clamp_min(t, V(-127.f));  // floor(-inf) would make the fraction NaN
   const V fraction = t - t.floor();
-#endif
   V correction = at::vec::fmadd(fraction, V(-0.079204240219773236f), V(-0.22433836478672356f));
   correction = at::vec::fmadd(fraction, correction, V(0.30354260500649682f));
   correction = at::vec::fmadd(fraction, correction, V(0.00010703434948458272f));
@@ -754,6 +760,7 @@ inline Vectorized<float> exp2_of_weight(Vectorized<float> t) {
   // negative, so they stop at 0, which reads as +0.
   const V bits = at::vec::clamp_min(at::vec::fmadd(t - correction, V(8388608.f), V(1065353216.f)), V(0.f));
   return at::vec::cast<float>(at::vec::convert_to_int_of_same_size(bits));
+#endif
 }
 
 // e where arg >= threshold, else 0.
@@ -829,19 +836,25 @@ inline void scale_row(T* x, int64_t n, T factor) {
   at::vec::map([factor](Vectorized<T> v) { return v * Vectorized<T>(factor); }, x, x, n);
 }
 
-// Whether some lane of x lies above the same lane of limit.
+// Whether some lane of a or b lies above the same lane of limit (NaN lies above nothing). Two compares into mask
+// registers: ATen's maximum of a and b, which carries NaN through, takes four instructions, in the exp pass's loop.
 template <typename T>
-inline bool any_above(const Vectorized<T>& x, const Vectorized<T>& limit) {
+inline bool any_above(const Vectorized<T>& a, const Vectorized<T>& b, const Vectorized<T>& limit) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) return _mm512_cmp_ps_mask(x, limit, _CMP_GT_OQ) != 0;
+  if constexpr (std::is_same_v<T, float>) {
+    return (_mm512_cmp_ps_mask(a, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(b, limit, _CMP_GT_OQ)) != 0;
+  }
 #elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) return _mm256_movemask_ps(_mm256_cmp_ps(x, limit, _CMP_GT_OQ)) != 0;
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, limit, _CMP_GT_OQ), _mm256_cmp_ps(b, limit, _CMP_GT_OQ))) != 0;
+  }
 #endif
-  __at_align__ T lanes[Vectorized<T>::size()], limits[Vectorized<T>::size()];
-  x.store(lanes);
+  __at_align__ T lanes[2 * Vectorized<T>::size()], limits[Vectorized<T>::size()];
+  a.store(lanes);
+  b.store(lanes + Vectorized<T>::size());
   limit.store(limits);
-  for (int64_t i = 0; i < Vectorized<T>::size(); ++i) {
-    if (lanes[i] > limits[i]) return true;
+  for (int64_t i = 0; i < 2 * Vectorized<T>::size(); ++i) {
+    if (lanes[i] > limits[i % Vectorized<T>::size()]) return true;
   }
   return false;
 }
@@ -910,8 +923,8 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
   // row's first keys; past weights already written, to the largest of the rest of the row, so that they are
   // rescaled once in a pass (scores that climb steadily along the keys would rise at every pair).
   const auto rise_to = [&](const V& x0, const V& x1, int64_t done) {
+    if (!any_above(x0, x1, limit)) return;
     const V top = at::vec::maximum(x0, x1);
-    if (!any_above(top, limit)) return;
     const acc_t before = shift;
     acc_t largest = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, top);
     if (before != neg_inf<acc_t>() && done > 0 && done + 2 * W < n) {
