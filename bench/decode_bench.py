@@ -10,7 +10,8 @@ and cpu / copy (target ≤ 2), and K/V bytes read per second by the call and by 
 calls over 8-bit caches (float8_e4m3fn and int8, per-sequence and per-token scales, bf16 queries),
 read in place by `forward_paged`, against the bf16 cache's call of the first table (target: 1.6× faster)
 and against a copy of their own bytes (target: read at ≥ 60 % of the copy's rate). Then one generation
-step through `attention_with_kvcache` against SDPA over the same keys.
+step and one chunk of a prefill through `attention_with_kvcache` against SDPA over the same keys, dense and
+paged (target: paged within 10 % of dense).
 
     python -m bench.decode_bench [--dtypes fp32 bf16] [--caches fp8 int8] [--rounds 30]
 """
@@ -33,6 +34,7 @@ from . import report, timing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CACHES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+PREFILL_CHUNK = 512  # tokens appended at once in the prefill row of attention_with_kvcache
 # (B, H_q, H_kv, L_q, L_k, D)
 SHAPES = [(1, 32, 8, 1, 4096, 128), (4, 32, 32, 1, 2048, 128), (1, 32, 8, 4, 4096, 128)]
 
@@ -146,19 +148,23 @@ def quantized_row(cache_dtype, per_token, shape, rounds, budget_s) -> dict:
 
 
 def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capacity=4096, length=4000, dim=128,
-                block_size=16):
-    """One generation step through `attention_with_kvcache` (append one token, attend over the
-    sequence) against SDPA over the same sequence, already appended, sliced from the cache; the same
-    step over a paged copy of the cache (blocks of `block_size` keys in a shuffled order), read in place,
-    and over that copy's blocks gathered into a dense cache first (what a backend without a block
-    table does)."""
+                block_size=16, appended=1):
+    """One step through `attention_with_kvcache` (append `appended` tokens, attend over the sequence, causally:
+    one token is a generation step, more a chunk of a prefill) against SDPA over the same sequence, already
+    appended, sliced from the cache (with the causal mask aligned to its end where more than one token is
+    appended); the same step over a paged copy of the cache (blocks of `block_size` keys in a shuffled order),
+    read in place, and over that copy's blocks gathered into a dense cache first (what a backend without a
+    block table does)."""
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads_q, 1, dim, generator=generator).to(dtype)
+    q = torch.randn(batch, heads_q, appended, dim, generator=generator).to(dtype)
     k_buffer, v_buffer = (torch.randn(batch, capacity, heads_kv, dim, generator=generator).to(dtype) for _ in range(2))
     k_cache, v_cache = k_buffer.transpose(1, 2), v_buffer.transpose(1, 2)
-    k_new, v_new = (torch.randn(batch, heads_kv, 1, dim, generator=generator).to(dtype) for _ in range(2))
-    before = torch.full((batch,), length - 1, dtype=torch.int32)
+    k_new, v_new = (torch.randn(batch, heads_kv, appended, dim, generator=generator).to(dtype) for _ in range(2))
+    before = torch.full((batch,), length - appended, dtype=torch.int32)
     k_valid, v_valid = k_cache[:, :, :length], v_cache[:, :, :length]
+    causal = None
+    if appended > 1:  # query i is token length - appended + i: it sees the keys up to itself
+        causal = torch.arange(length)[None, :] <= torch.arange(appended)[:, None] + (length - appended)
     max_blocks = capacity // block_size
     block_table = torch.randperm(batch * max_blocks, generator=generator).view(batch, max_blocks).int()
     k_blocks, v_blocks = (torch.empty(batch * max_blocks, block_size, heads_kv, dim, dtype=dtype) for _ in range(2))
@@ -172,7 +178,7 @@ def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capaci
     runs = {
         "kvcache": lambda: fused_attn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=before,
                                                              backend="cpu"),
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k_valid, v_valid, enable_gqa=True),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k_valid, v_valid, attn_mask=causal, enable_gqa=True),
         "paged": lambda: fused_attn.attention_with_kvcache(q, k_blocks, v_blocks, k_new, v_new, cache_seqlens=before,
                                                            block_table=block_table, backend="cpu"),
         "gathered": gathered,
@@ -182,7 +188,8 @@ def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capaci
         # every cache) by the project's criterion against SDPA over the appended keys in float64. Not
         # against each other: bf16 weights rounded per key block differ with the blocks' sizes.
         results = {name: runs[name]() for name in ("kvcache", "paged", "gathered")}
-        exact = F.scaled_dot_product_attention(q.double(), k_valid.double(), v_valid.double(), enable_gqa=True)
+        exact = F.scaled_dot_product_attention(q.double(), k_valid.double(), v_valid.double(), attn_mask=causal,
+                                               enable_gqa=True)
         allowed = testing.allowed_error("out", exact, runs["sdpa"](), dtype)
         for name, out in results.items():
             error = testing.max_error(out, exact)
@@ -230,18 +237,20 @@ def main(argv=None) -> int:
                           f"{row['over_copy']:.2f} | {row['cpu_gb_s']:.1f}, {row['copy_gb_s']:.1f} | "
                           f"{row['copy_share']:.2f} | {row['rounds']} |", flush=True)
     print()
-    print("attention_with_kvcache, B=1, H_q=32, H_kv=8, D=128, one token appended to 3999 of a 4096-key cache "
-          "(a (B, L_max, H_kv, D) buffer), against SDPA over the 4000 keys sliced from it; the same step over a paged "
-          "copy (16-key blocks, shuffled), read in place and gathered first:")
+    print(f"attention_with_kvcache, B=1, H_q=32, H_kv=8, D=128, one token (a generation step) or {PREFILL_CHUNK} (a "
+          "chunk of a prefill, causal) appended to the rest of 4000 keys in a 4096-key cache (a (B, L_max, H_kv, D) "
+          "buffer), against SDPA over the 4000 keys sliced from it; the same step over a paged copy (16-key blocks, "
+          "shuffled), read in place and gathered first:")
     print()
-    print("| dtype | kvcache µs | SDPA µs | SDPA / kvcache | paged µs | paged / dense | gathered µs | gathered / paged "
-          "| rounds |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name in args.dtypes:
-        row = kvcache_row(DTYPES[name], args.rounds, args.budget)
-        print(f"| {name} | {row['kvcache_us']:.0f} | {row['sdpa_us']:.0f} | {row['vs_sdpa']:.2f} | "
-              f"{row['paged_us']:.0f} | {row['paged_vs_dense']:.2f} | {row['gathered_us']:.0f} | "
-              f"{row['gathered_vs_paged']:.2f} | {row['rounds']} |", flush=True)
+    print("| dtype | appended | kvcache µs | SDPA µs | SDPA / kvcache | paged µs | paged / dense | gathered µs "
+          "| gathered / paged | rounds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for appended in (1, PREFILL_CHUNK):
+        for name in args.dtypes:
+            row = kvcache_row(DTYPES[name], args.rounds, args.budget, appended=appended)
+            print(f"| {name} | {appended} | {row['kvcache_us']:.0f} | {row['sdpa_us']:.0f} | {row['vs_sdpa']:.2f} | "
+                  f"{row['paged_us']:.0f} | {row['paged_vs_dense']:.2f} | {row['gathered_us']:.0f} | "
+                  f"{row['gathered_vs_paged']:.2f} | {row['rounds']} |", flush=True)
     return 0
 
 

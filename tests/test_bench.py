@@ -261,9 +261,10 @@ def test_decode_bench_rows_on_a_small_shape():
     row = decode_bench.time_row(torch.float32, (1, 4, 2, 1, 64, 16), rounds=3, budget_s=1.0)
     assert row["rounds"] == 3 and row["cpu_us"] > 0 and row["vs_sdpa"] > 0 and row["over_copy"] > 0
     assert "FUSED_ATTN_CPU_DECODE" not in os.environ
-    for dtype in (torch.float32, torch.bfloat16):  # bf16: its weights rounded per key block (AMX)
+    for dtype, appended in itertools.product((torch.float32, torch.bfloat16), (1, 20)):  # bf16: weights rounded per
+        # key block (AMX); 20 tokens: a prefill's chunk, causal, through the long-query kernels across cache blocks
         row = decode_bench.kvcache_row(dtype, 3, 1.0, heads_q=4, heads_kv=2, capacity=64, length=40, dim=16,
-                                       block_size=8)
+                                       block_size=8, appended=appended)
         assert row["rounds"] == 3 and row["vs_sdpa"] > 0 and row["paged_vs_dense"] > 0 and row["gathered_vs_paged"] > 0
     for cache_dtype in (torch.int8, torch.float8_e4m3fn):  # checked against the reference before it is timed
         for per_token in (False, True):

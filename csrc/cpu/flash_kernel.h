@@ -485,25 +485,49 @@ inline const float* scale_row(const Params& p, const View& scales, int64_t b, in
   return p.token_scales ? key_row(p, scales, base, b, hk, j) : base + b * scales.s[0] + hk * scales.s[1];
 }
 
-// Keys j .. j + n of key/value head hk of batch row b, within one cache block of the 8-bit `view` (p.key or p.value,
-// scaled by `scales`), as float rows dst[i * ld + d], d < dim. The kernels run with float operands on such a cache
-// (dispatch), so dst is float wherever this is reached.
+// Keys j .. j + n of key/value head hk of batch row b in the 8-bit `view` (p.key or p.value, scaled by `scales`),
+// across a paged cache's blocks, as float rows dst[i * ld + d], d < dim. The kernels run with float operands on such a
+// cache (dispatch), so dst is float wherever this is reached.
 template <typename dst_t>
 void dequantize_keys(const Params& p, const View& view, const View& scales, int64_t b, int64_t hk, int64_t j,
                      int64_t n, int64_t dim, dst_t* dst, int64_t ld) {
   if constexpr (std::is_same_v<dst_t, float>) {
-    const int8_t* rows = key_row(p, view, static_cast<const int8_t*>(view.data), b, hk, j);
-    const float* scale = scale_row(p, scales, b, hk, j);
-    for (int64_t i = 0; i < n; ++i) {
-      if (p.cache == CacheType::Float8E4M3) {
-        dequantize_row<CacheType::Float8E4M3>(dst + i * ld, rows + i * view.s[2], view.s[3], dim,
-                                              scale[i * scales.s[2]]);
-      } else {
-        dequantize_row<CacheType::Int8>(dst + i * ld, rows + i * view.s[2], view.s[3], dim, scale[i * scales.s[2]]);
+    for (int64_t i = 0, count; i < n; i += count) {
+      count = keys_in_block(p, j + i, n - i);
+      const int8_t* rows = key_row(p, view, static_cast<const int8_t*>(view.data), b, hk, j + i);
+      const float* scale = scale_row(p, scales, b, hk, j + i);
+      for (int64_t r = 0; r < count; ++r) {
+        float* out = dst + (i + r) * ld;
+        if (p.cache == CacheType::Float8E4M3) {
+          dequantize_row<CacheType::Float8E4M3>(out, rows + r * view.s[2], view.s[3], dim, scale[r * scales.s[2]]);
+        } else {
+          dequantize_row<CacheType::Int8>(out, rows + r * view.s[2], view.s[3], dim, scale[r * scales.s[2]]);
+        }
       }
     }
   } else {
     TORCH_INTERNAL_ASSERT(false, "an 8-bit cache is dequantized into float rows only");
+  }
+}
+
+// Keys j .. j + n of key/value head hk of batch row b in the plain `view` (p.key or p.value), across a paged cache's
+// blocks, as contiguous rows dst[i * ld + d], d < dim: a long-query key block spanning cache blocks is then packed as
+// a dense cache's rows are.
+template <typename T>
+void gather_rows(const Params& p, const View& view, const T* base, int64_t b, int64_t hk, int64_t j, int64_t n,
+                 int64_t dim, T* dst, int64_t ld) {
+  for (int64_t i = 0, count; i < n; i += count) {
+    count = keys_in_block(p, j + i, n - i);
+    const T* first = key_row(p, view, base, b, hk, j + i);
+    for (int64_t r = 0; r < count; ++r) {
+      const T* row = first + r * view.s[2];
+      T* out = dst + (i + r) * ld;
+      if (view.s[3] == 1) {
+        std::copy(row, row + dim, out);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) out[d] = row[d * view.s[3]];
+      }
+    }
   }
 }
 
@@ -1314,10 +1338,15 @@ void forward_impl(const Params& p) {
   const bool quantized = p.cache != CacheType::Plain;
   const bool v_in_place =
       !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1 && p.value.s[2] >= Dv;
+  // A paged cache's key blocks run across its cache blocks (a block of 16 keys per product made the prefill of 512
+  // rows against 4096 keys 3x slower than from a dense cache, bench/NOTES.md section 53): their plain rows are
+  // gathered first (staged), 8-bit ones dequantized as everywhere.
+  const bool staged = p.pages != nullptr && !quantized;
   using Buffers = SoftmaxBuffers<acc_t, ct>;
   const size_t scratch_bytes = (q_in_place ? 0 : Scratch::bytes<ct>(rows_per_item * Dpad)) +
                                Scratch::bytes<ct>(Dpad * BK) + (v_in_place ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
                                (quantized ? Scratch::bytes<ct>(BK * D) : 0) +
+                               (staged ? Scratch::bytes<scalar_t>(BK * D) + Scratch::bytes<scalar_t>(BK * Dv) : 0) +
                                Buffers::bytes(p, BQ, rows_per_item, BK, BKpad);
   const auto* Q = static_cast<const scalar_t*>(p.query.data);
   const auto* K = static_cast<const scalar_t*>(p.key.data);
@@ -1331,6 +1360,8 @@ void forward_impl(const Params& p) {
     ct* kbuf = scratch.take<ct>(Dpad * BK);
     ct* vbuf = v_in_place ? nullptr : scratch.take<ct>(BKpad * Dv);
     ct* krows = quantized ? scratch.take<ct>(BK * D) : nullptr;
+    scalar_t* k_staged = staged ? scratch.take<scalar_t>(BK * D) : nullptr;
+    scalar_t* v_staged = staged ? scratch.take<scalar_t>(BK * Dv) : nullptr;
     Buffers buffers(scratch, p, BQ, rows_per_item, BK, BKpad);
     acc_t *sbuf = buffers.scores, *obuf = buffers.out, *row_shift = buffers.row_shift, *row_sum = buffers.row_sum;
     ct* pbuf = buffers.probs;
@@ -1379,7 +1410,7 @@ void forward_impl(const Params& p) {
           if (!seen_here(k0)) continue;
           while (bk < BK && k0 + bk < k_end && seen_here(k0 + bk)) bk = std::min({bk + T, BK, k_end - k0});
         } else {
-          bk = keys_in_block(p, k0, std::min(BK, k_end - k0));
+          bk = std::min(BK, k_end - k0);
         }
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;
         const int64_t ldp = separate_p ? bkpad : bk;
@@ -1390,6 +1421,16 @@ void forward_impl(const Params& p) {
           dequantize_keys(p, p.key, p.k_scale, b, hk, k0, bk, D, krows, D);
           pack_b(kbuf, krows, 1, D, D, Dpad, bk);
           dequantize_keys(p, p.value, p.v_scale, b, hk, k0, bk, Dv, vbuf, Dv);
+        } else if (staged) {
+          gather_rows(p, p.key, K, b, hk, k0, bk, D, k_staged, D);
+          pack_b(kbuf, k_staged, 1, D, D, Dpad, bk);
+          gather_rows(p, p.value, Vt, b, hk, k0, bk, Dv, v_staged, Dv);
+          if (v_in_place) {
+            v_rows = reinterpret_cast<const ct*>(v_staged);
+            ldv = Dv;
+          } else {
+            pack_b(vbuf, v_staged, Dv, 1, bk, bkpad, Dv);
+          }
         } else {
           pack_b(kbuf, key_row(p, p.key, K, b, hk, k0), p.key.s[3], p.key.s[2], D, Dpad, bk);
           if (v_in_place) {
@@ -1840,9 +1881,7 @@ void decode_impl(const Params& p) {
           const ct* k_float = krows;
           int64_t ldk = D;
           if (quantized) {
-            for_each_run([&](int64_t j0, int64_t n) {
-              dequantize_keys(p, p.key, p.k_scale, b, hk, k0 + j0, n, D, krows + j0 * D, D);
-            });
+            dequantize_keys(p, p.key, p.k_scale, b, hk, k0, bk, D, krows, D);
           } else if (k_as_float_rows) {
             for (int64_t j = 0; j < bk; ++j) {
               copy_row(krows + j * D, key_row(p, p.key, K, b, hk, k0 + j), p.key.s[3], D);
@@ -1882,9 +1921,7 @@ void decode_impl(const Params& p) {
           });
         } else {
           if (quantized) {
-            for_each_run([&](int64_t j0, int64_t n) {
-              dequantize_keys(p, p.value, p.v_scale, b, hk, k0 + j0, n, Dv, vbuf + j0 * Dv, Dv);
-            });
+            dequantize_keys(p, p.value, p.v_scale, b, hk, k0, bk, Dv, vbuf, Dv);
           } else if (vnni) {
             pack_b(vbuf, key_row(p, p.value, Vt, b, hk, k0), p.value.s[2], p.value.s[3], bk, bkpad, Dv);
           } else {
