@@ -92,6 +92,16 @@ def _check_per_sequence(name: str, tensor, batch: int, device) -> None:
         raise ValueError(f"{name}: expected device {device} (as query), got {tensor.device}")
 
 
+def _common_end(cache_seqlens: torch.Tensor, len_new: int, banded: bool) -> int | None:
+    """The sequences' one length after the append, where the band can run as one diagonal without a mask: a banded
+    call (a window, or causal over several queries) on CPU tensors (whose lengths cost no device synchronisation to
+    read) whose sequences all have the same length. None otherwise."""
+    if not banded or cache_seqlens.device.type != "cpu" or cache_seqlens.numel() == 0:
+        return None
+    first = int(cache_seqlens[0])
+    return first + len_new if bool((cache_seqlens == first).all()) else None
+
+
 def _check_rotary(rotary_cos, rotary_sin, query, key) -> None:
     """The tables (seqlen_ro, rotary_dim / 2), alike, of query's dtype or float32, on its device."""
     if rotary_cos is None and rotary_sin is None:
@@ -280,12 +290,21 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
                          "query, some keys lie after a query, where ALiBi aligned to the cache's end is not a "
                          "shift of the scores; pass is_causal=True, a window of right bound 0, or one query "
                          "at a time")
-    # With ALiBi the kernels' scores are off by a shift per row (below), which the sinks do not share:
-    # they join after the shift is undone.
-    kernel_sinks = None if alibi_slopes is not None else sinks
-    kernel_variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, kernel_sinks)
+    banded = left >= 0 or right >= 0
+    # Sequences of one length after the append (always so for one sequence) put every query's band on one
+    # diagonal, query i at key end - L_q + i: the kernels take it as an integer alignment with the window, and
+    # ALiBi and the sinks as they are. Otherwise each sequence's band comes as a (B, 1, L_q, L_max) bool mask, read
+    # per score, and the kernels' ALiBi is off by a shift per row (below), which the sinks do not share: they join
+    # after the shift is undone.
+    common_end = None if len_new > capacity else _common_end(cache_seqlens, len_new, banded)
+    if common_end is not None:
+        kernel_sinks = sinks
+        kernel_variant = variant_of(query, common_end - len_q, (left, right), softcap, alibi_slopes, sinks)
+    else:
+        kernel_sinks = None if alibi_slopes is not None else sinks
+        kernel_variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, kernel_sinks)
     chosen = _chosen_backend(query, k_cache.shape[2] if paged else k_cache.shape[1], k_cache.shape[3],
-                             v_cache.shape[3], capacity, left >= 0 or right >= 0, scale, kernel_variant, backend,
+                             v_cache.shape[3], capacity, banded and common_end is None, scale, kernel_variant, backend,
                              k_cache.dtype)
 
     with torch.no_grad():
@@ -375,7 +394,7 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         if cache_leftpad is not None:  # a span [start, end) per row, which the kernels visit alone
             padding |= key_index[None, :] < cache_leftpad.long()[:, None]
         mask = None
-        if left >= 0 or right >= 0:
+        if banded and common_end is None:
             # Query i of sequence b sits at lengths[b] - L_q + i: its window and causal bound there.
             position = lengths[:, None] - len_q + torch.arange(len_q, device=query.device)  # (B, L_q)
             distance = key_index[None, None, :] - position[:, :, None]  # (B, L_q, L_k)
@@ -389,11 +408,13 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
             out, lse = _paged_attention(query, k_cache, v_cache, block_table, mask, padding, scale, kernel_variant,
                                         chosen, *((k_scale, v_scale) if scale_layout is not None else ()))
         else:
+            band = dict(causal_alignment="bottom_right") if common_end is None else \
+                dict(causal_alignment=common_end - len_q, window_size=(left, right))
             out, lse = attention(query, k_cache, v_cache, mask, scale=scale,
                                  enable_gqa=query.shape[1] != k_cache.shape[1], key_padding_mask=padding,
-                                 return_lse=True, backend=backend, causal_alignment="bottom_right", softcap=softcap,
-                                 alibi_slopes=alibi_slopes, sinks=kernel_sinks)
-        if alibi_slopes is not None:
+                                 return_lse=True, backend=backend, softcap=softcap, alibi_slopes=alibi_slopes,
+                                 sinks=kernel_sinks, **band)
+        if alibi_slopes is not None and common_end is None:
             # The kernels measured ALiBi's distances from the buffer's end, len_k - 1, where the
             # sequence ends at lengths[b] - 1: every visible score of the row was lower by
             # slope · (len_k - lengths[b]).

@@ -132,6 +132,53 @@ PAGED_CASES = {
 }
 
 
+@pytest.mark.usefixtures("interpreter_remedies")
+@pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (3, torch.float32), (3, torch.bfloat16)], ids=str)
+def test_sequences_of_one_length_take_their_band_without_a_mask(generator, monkeypatch, backend, paged, batch, dtype):
+    """Sequences that all have one length after the append (always so for one sequence) put every query's causal
+    bound and window on one diagonal: the band reaches the kernels as an alignment, with no (B, 1, L_q, L_max)
+    mask, and the call gives the definition's result with ALiBi (causal), sinks and a softcap; a batch of two lengths
+    still takes the mask."""
+    if (reason := fused_attn.available_backends()[backend]) is not None:
+        pytest.skip(reason)
+    import fused_attn.kvcache as kvcache
+
+    masks = []
+    dense_call, paged_call = kvcache.attention, kvcache._paged_attention
+    monkeypatch.setattr(kvcache, "attention", lambda q, k, v, mask, **kw: masks.append(mask) or dense_call(q, k, v, mask,
+                                                                                                           **kw))
+    monkeypatch.setattr(kvcache, "_paged_attention", lambda q, kb, vb, table, mask, *a, **kw: masks.append(mask) or
+                        paged_call(q, kb, vb, table, mask, *a, **kw))
+    capacity, len_q, block_size = 48, 6, 8
+    for lengths_before in (torch.full((batch,), 29, dtype=torch.int32), torch.tensor([29, 17, 29][:batch], dtype=torch.int32)):
+        query = torch.randn(batch, HEADS_Q, len_q, DIM, generator=generator).to(dtype)
+        new_k, new_v = (torch.randn(batch, HEADS_KV, len_q, DIM, generator=generator).to(dtype) for _ in range(2))
+        dense_k, dense_v = (torch.randn(batch, HEADS_KV, capacity, DIM, generator=generator).to(dtype) for _ in range(2))
+        lengths = lengths_before + len_q
+        if backend != "reference":  # which reads whole rows, masked
+            for b, end in enumerate(lengths.tolist()):
+                dense_k[b, :, end:], dense_v[b, :, end:] = float("nan"), float("-inf")
+        slopes = torch.rand(batch, HEADS_Q, generator=generator) * 0.5 if dtype == torch.float32 else None
+        sinks = torch.randn(HEADS_Q, generator=generator) * 2 + 1
+        options = dict(alibi_slopes=slopes, window_size=(9, -1), softcap=4.0, sinks=sinks)
+        expected_k, expected_v = dense_k.clone(), dense_v.clone()
+        for b, start in enumerate(lengths_before.tolist()):
+            expected_k[b, :, start:start + len_q], expected_v[b, :, start:start + len_q] = new_k[b], new_v[b]
+        cache = dict(block_table=None)
+        if paged:
+            k_blocks, v_blocks, block_table = paged_copy(generator, dense_k, dense_v, block_size)
+            cache = dict(block_table=block_table)
+            dense_k, dense_v = k_blocks, v_blocks
+        masks.clear()
+        actual = fused_attn.attention_with_kvcache(query, dense_k, dense_v, new_k, new_v, cache_seqlens=lengths_before,
+                                                   return_lse=True, backend=backend, **cache, **options)
+        check(actual, query, expected_k, expected_v, lengths, is_causal=True, **options)
+        one_length = bool((lengths == lengths[0]).all())
+        assert len(masks) == 1 and (masks[0] is None) == one_length, (one_length, masks[0] is None)
+
+
 @pytest.mark.usefixtures("interpreter_remedies")  # bf16 products in Triton's interpreter as a GPU computes them
 @pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
 @pytest.mark.parametrize("name", list(PAGED_CASES))
