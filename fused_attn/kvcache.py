@@ -296,7 +296,7 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
     # ALiBi and the sinks as they are. Otherwise each sequence's band comes as a (B, 1, L_q, L_max) bool mask, read
     # per score, and the kernels' ALiBi is off by a shift per row (below), which the sinks do not share: they join
     # after the shift is undone.
-    common_end = None if len_new > capacity else _common_end(cache_seqlens, len_new, banded)
+    common_end = _common_end(cache_seqlens, len_new, banded)
     if common_end is not None:
         kernel_sinks = sinks
         kernel_variant = variant_of(query, common_end - len_q, (left, right), softcap, alibi_slopes, sinks)

@@ -145,17 +145,23 @@ def test_sequences_of_one_length_take_their_band_without_a_mask(generator, monke
         pytest.skip(reason)
     import fused_attn.kvcache as kvcache
 
-    masks = []
-    dense_call, paged_call = kvcache.attention, kvcache._paged_attention
-    monkeypatch.setattr(kvcache, "attention", lambda q, k, v, mask, **kw: masks.append(mask) or dense_call(q, k, v, mask,
-                                                                                                           **kw))
-    monkeypatch.setattr(kvcache, "_paged_attention", lambda q, kb, vb, table, mask, *a, **kw: masks.append(mask) or
-                        paged_call(q, kb, vb, table, mask, *a, **kw))
+    masks = []  # the mask of each call's attention, dense or paged
+
+    def recording(call, mask_at):  # mask_at: the mask's position among the call's arguments
+        def recorded(*args, **kwargs):
+            masks.append(args[mask_at])
+            return call(*args, **kwargs)
+        return recorded
+
+    monkeypatch.setattr(kvcache, "attention", recording(kvcache.attention, 3))
+    monkeypatch.setattr(kvcache, "_paged_attention", recording(kvcache._paged_attention, 4))
     capacity, len_q, block_size = 48, 6, 8
-    for lengths_before in (torch.full((batch,), 29, dtype=torch.int32), torch.tensor([29, 17, 29][:batch], dtype=torch.int32)):
+    same, mixed = torch.full((batch,), 29), torch.tensor([29, 17, 29][:batch])  # lengths before the append
+    for lengths_before in (same.int(), mixed.int()):
         query = torch.randn(batch, HEADS_Q, len_q, DIM, generator=generator).to(dtype)
         new_k, new_v = (torch.randn(batch, HEADS_KV, len_q, DIM, generator=generator).to(dtype) for _ in range(2))
-        dense_k, dense_v = (torch.randn(batch, HEADS_KV, capacity, DIM, generator=generator).to(dtype) for _ in range(2))
+        dense_k, dense_v = (torch.randn(batch, HEADS_KV, capacity, DIM, generator=generator).to(dtype)
+                            for _ in range(2))
         lengths = lengths_before + len_q
         if backend != "reference":  # which reads whole rows, masked
             for b, end in enumerate(lengths.tolist()):

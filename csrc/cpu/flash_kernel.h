@@ -511,23 +511,15 @@ void dequantize_keys(const Params& p, const View& view, const View& scales, int6
 }
 
 // Keys j .. j + n of key/value head hk of batch row b in the plain `view` (p.key or p.value), across a paged cache's
-// blocks, as contiguous rows dst[i * ld + d], d < dim: a long-query key block spanning cache blocks is then packed as
-// a dense cache's rows are.
-template <typename T>
-void gather_rows(const Params& p, const View& view, const T* base, int64_t b, int64_t hk, int64_t j, int64_t n,
-                 int64_t dim, T* dst, int64_t ld) {
+// blocks, as contiguous rows dst[i * ld + d], d < dim, of dst_t: a long-query key block spanning cache blocks is then
+// packed as a dense cache's rows are.
+template <typename dst_t, typename src_t>
+void gather_rows(const Params& p, const View& view, const src_t* base, int64_t b, int64_t hk, int64_t j, int64_t n,
+                 int64_t dim, dst_t* dst, int64_t ld) {
   for (int64_t i = 0, count; i < n; i += count) {
     count = keys_in_block(p, j + i, n - i);
-    const T* first = key_row(p, view, base, b, hk, j + i);
-    for (int64_t r = 0; r < count; ++r) {
-      const T* row = first + r * view.s[2];
-      T* out = dst + (i + r) * ld;
-      if (view.s[3] == 1) {
-        std::copy(row, row + dim, out);
-      } else {
-        for (int64_t d = 0; d < dim; ++d) out[d] = row[d * view.s[3]];
-      }
-    }
+    const src_t* first = key_row(p, view, base, b, hk, j + i);
+    for (int64_t r = 0; r < count; ++r) copy_row(dst + (i + r) * ld, first + r * view.s[2], view.s[3], dim);
   }
 }
 
@@ -870,7 +862,8 @@ inline bool any_above(const Vectorized<T>& a, const Vectorized<T>& b, const Vect
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, float>) {
-    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a, limit, _CMP_GT_OQ), _mm256_cmp_ps(b, limit, _CMP_GT_OQ))) != 0;
+    const __m256 above = _mm256_or_ps(_mm256_cmp_ps(a, limit, _CMP_GT_OQ), _mm256_cmp_ps(b, limit, _CMP_GT_OQ));
+    return _mm256_movemask_ps(above) != 0;
   }
 #endif
   __at_align__ T lanes[2 * Vectorized<T>::size()], limits[Vectorized<T>::size()];
@@ -1883,9 +1876,7 @@ void decode_impl(const Params& p) {
           if (quantized) {
             dequantize_keys(p, p.key, p.k_scale, b, hk, k0, bk, D, krows, D);
           } else if (k_as_float_rows) {
-            for (int64_t j = 0; j < bk; ++j) {
-              copy_row(krows + j * D, key_row(p, p.key, K, b, hk, k0 + j), p.key.s[3], D);
-            }
+            gather_rows(p, p.key, K, b, hk, k0, bk, D, krows, D);
           } else {
             k_float = reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0));
             ldk = p.key.s[2];

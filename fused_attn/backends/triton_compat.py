@@ -109,8 +109,8 @@ WARP_SPECIALIZED_FROM = (3, 9)
 
 
 def warp_specialization() -> bool:
-    """Whether the warp-specialized variants (forward, dK/dV, dQ) are offered: `tl.range` takes warp_specialize (automatic warp
-    specialization of a loop) and the release is WARP_SPECIALIZED_FROM or newer."""
+    """Whether the warp-specialized variants (forward, dK/dV, dQ) are offered: `tl.range` takes warp_specialize
+    (automatic warp specialization of a loop) and the release is WARP_SPECIALIZED_FROM or newer."""
     import triton.language as tl
 
     found = release()

@@ -69,8 +69,8 @@ zero-fills rows and columns past a matrix's end, as the pointer loads' masks do;
 cannot skip, is zeroed after the load (`_descriptor_rows`). WARP_SPECIALIZE adds Triton's automatic warp
 specialization of each kernel's loop: the forward's and dQ's over keys, dK/dV's over queries. The variant is an
 extra autotuning candidate on devices of DESCRIPTOR_CAPABILITY, beside the pointer configs, never the only one, for
-calls whose layouts TMA can read and that it serves (`descriptor_refusals`: a paged cache and packed batches keep pointers; the backward's two kernels take it
-together, when every tensor of both allows); if Triton cannot compile it, the kernels go back to pointers for the
+calls whose layouts TMA can read and that it serves (`descriptor_refusals`: a paged cache and packed batches keep
+pointers; the backward's two kernels take it together, when every tensor of both allows); if Triton cannot compile it, the kernels go back to pointers for the
 process. FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it wherever it serves a call (the interpreter's tests), =0 never
 (`descriptor_mode`). It is offered from Triton 3.7 on, its warp-specialized form from 3.9 on (the releases where
 the static report compiles them without spills; triton_compat). Descriptors made on the device take global
@@ -1061,10 +1061,10 @@ KERNELS = {
 # Configurations
 # ---------------------------------------------------------------------------------------------------
 
-# Kernels with a tensor-descriptor variant (the DESCRIPTORS constexpr), those of them whose key loop may be
-# warp-specialized too (WARP_SPECIALIZE), and the devices that run them: TMA, from Hopper on.
+# Kernels with a tensor-descriptor variant (the DESCRIPTORS constexpr), whose loop may be warp-specialized too
+# (WARP_SPECIALIZE, all of them), and the devices that run them: TMA, from Hopper on.
 DESCRIPTOR_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
-WARP_SPECIALIZED_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+WARP_SPECIALIZED_KERNELS = DESCRIPTOR_KERNELS
 DESCRIPTOR_CAPABILITY = (9, 0)
 
 
