@@ -389,7 +389,7 @@ inline int64_t keys_in_block(const Params& p, int64_t j, int64_t n) {
 // 8-bit caches (Params::cache, fused_attn/quantization.py): key j of a cache block stands for its float8_e4m3fn or
 // int8 values times its float32 scale, and the products run in float. The long-query kernels dequantize each
 // block of keys and values into the float buffers they pack it into anyway; the decode kernels convert the stored
-// bytes inside their products (stored_row_dots, add_stored_values) where an item has few rows and the cache
+// bytes inside their products (row_dots, add_stored_values) where an item has few rows and the cache
 // is contiguous along D, and into float rows otherwise. Nothing dequantized outlives its block.
 
 // One stored byte as float: the int8 value; or the float8_e4m3fn bits s eeee mmm read as the fp16 s 0eeee mmm0000000,
@@ -1515,7 +1515,7 @@ constexpr int64_t kDecodeMaxQueries = 16;
 // amortise a transpose of the K block for the block product.
 constexpr int64_t kDotRows = 8;
 
-// How many rows ahead the row readers (row_dots, stored_row_dots) ask for a key row: the hardware's prefetchers
+// How many rows ahead the row readers (row_dots, add_stored_values) ask for a key row: the hardware's prefetchers
 // alone read a bf16 cache at 12.6 GB/s where 25 GB/s is there (Xeon with AMX, bench/NOTES.md 38), and cannot
 // follow a paged cache's rows across its blocks.
 constexpr int64_t kPrefetchRows = 8;
@@ -1530,32 +1530,6 @@ inline void prefetch_rows(const T* first, int64_t ld, int64_t count, int64_t dim
   }
 }
 
-// s[r · lds + j] = q_r · k_j for r < rows, j < n: q rows packed (rows × D), k rows at stride ldk. Each
-// key row is loaded once for all the query rows; each dot product ends in one horizontal sum.
-template <typename T>
-void row_dots(const T* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int64_t n, T* s, int64_t lds) {
-  using V = Vectorized<T>;
-  constexpr int64_t W = V::size();
-  const int64_t full = D / W * W;
-  for (int64_t j = 0; j < n; ++j) {
-    const T* key = k + j * ldk;
-    if (j + kPrefetchRows < n) prefetch_rows(key + kPrefetchRows * ldk, ldk, 1, D);
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* query = q + r * D;
-      V acc0(T(0)), acc1(T(0));  // two chains hide the latency of the multiply-adds
-      int64_t d = 0;
-      for (; d + 2 * W <= full; d += 2 * W) {
-        acc0 = at::vec::fmadd(V::loadu(query + d), V::loadu(key + d), acc0);
-        acc1 = at::vec::fmadd(V::loadu(query + d + W), V::loadu(key + d + W), acc1);
-      }
-      if (d < full) acc0 = at::vec::fmadd(V::loadu(query + d), V::loadu(key + d), acc0);
-      T dot = at::vec::vec_reduce_all<T>([](V& x, V& y) { return x + y; }, acc0 + acc1);
-      for (d = full; d < D; ++d) dot += query[d] * key[d];
-      s[r * lds + j] = dot;
-    }
-  }
-}
-
 // An 8-bit cache under up to kStoredRows rows per item, its rows contiguous along D: the scores and P V read the
 // stored bytes themselves, each vector of them converted once per group of up to kDotRows rows, and no float copy
 // of K or V is written (per key, the conversions and G·D/W multiply-adds of each product: the memory's time, where
@@ -1564,30 +1538,35 @@ void row_dots(const T* q, int64_t rows, int64_t D, const T* k, int64_t ldk, int6
 constexpr int64_t kStoredRows = 2 * kDotRows;
 
 
-// f(std::integral_constant<CacheType, p.cache>{}, std::integral_constant<int, rows>{}), 1 <= rows <= kDotRows: the
-// kernels below take both as template arguments, so that the rows' accumulators live in registers.
+// f(std::integral_constant<int, rows>{}), 1 <= rows <= kDotRows: the row readers below take the row count as a
+// template argument, so that the rows' accumulators live in registers.
+template <typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  static_assert(kDotRows == 8, "with_rows names each row count up to kDotRows");
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 8: return f(std::integral_constant<int, 8>{});
+    default: TORCH_INTERNAL_ASSERT(false, "rows: expected 1 to ", kDotRows, ", got ", rows);
+  }
+}
+
+// f(std::integral_constant<CacheType, p.cache>{}, std::integral_constant<int, rows>{}): with_rows, the cache's type
+// a template argument too.
 template <typename F>
 inline void with_cache_and_rows(CacheType cache, int64_t rows, const F& f) {
-  const auto with_rows = [&](auto type) {
-    switch (rows) {
-      case 1: return f(type, std::integral_constant<int, 1>{});
-      case 2: return f(type, std::integral_constant<int, 2>{});
-      case 3: return f(type, std::integral_constant<int, 3>{});
-      case 4: return f(type, std::integral_constant<int, 4>{});
-      case 5: return f(type, std::integral_constant<int, 5>{});
-      case 6: return f(type, std::integral_constant<int, 6>{});
-      case 7: return f(type, std::integral_constant<int, 7>{});
-      case 8: return f(type, std::integral_constant<int, 8>{});
-      default: TORCH_INTERNAL_ASSERT(false, "rows: expected 1 to ", kDotRows, ", got ", rows);
-    }
-  };
-  static_assert(kDotRows == 8, "with_cache_and_rows names each row count up to kDotRows");
+  const auto with_type = [&](auto type) { with_rows(rows, [&](auto count) { f(type, count); }); };
   if (cache == CacheType::Float8E4M3) {
-    with_rows(std::integral_constant<CacheType, CacheType::Float8E4M3>{});
+    with_type(std::integral_constant<CacheType, CacheType::Float8E4M3>{});
   } else if (cache == CacheType::Int8) {
-    with_rows(std::integral_constant<CacheType, CacheType::Int8>{});
+    with_type(std::integral_constant<CacheType, CacheType::Int8>{});
   } else {
-    with_rows(std::integral_constant<CacheType, CacheType::Plain>{});
+    with_type(std::integral_constant<CacheType, CacheType::Plain>{});
   }
 }
 
@@ -1616,35 +1595,169 @@ void find_stored_rows(const Params& p, const View& view, const View& scales, int
   }
 }
 
-// s[r · lds + j] = (q_r · k_j) · factor_j for r < R, j < n: q rows packed (R × D), the stored key rows at keys[j].
-// Two accumulators per row take alternate vectors of D.
-template <CacheType kType, typename PlainT, int R>
-void stored_row_dots(const float* q, int64_t D, const void* const* keys, const float* factors, int64_t n, float* s,
-                     int64_t lds) {
+#if defined(CPU_CAPABILITY_AVX512)
+using FloatLanes = __m512;
+#elif defined(CPU_CAPABILITY_AVX2)
+using FloatLanes = __m256;
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Per 128-bit lane of a and b: [a0+a2, b0+b2, a1+a3, b1+b3].
+C10_ALWAYS_INLINE FloatLanes sum_pairs(FloatLanes a, FloatLanes b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+#else
+  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+#endif
+}
+
+// Per 128-bit lane of a, b, c, d: [Σa, Σb, Σc, Σd] over that lane.
+C10_ALWAYS_INLINE FloatLanes sum_quads(FloatLanes a, FloatLanes b, FloatLanes c, FloatLanes d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512d ab = _mm512_castps_pd(sum_pairs(a, b)), cd = _mm512_castps_pd(sum_pairs(c, d));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+#else
+  const __m256d ab = _mm256_castps_pd(sum_pairs(a, b)), cd = _mm256_castps_pd(sum_pairs(c, d));
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab, cd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ab, cd)));
+#endif
+}
+
+// The even 128-bit lanes of x then y, plus the odd ones: each pair of adjacent 128-bit lanes added, in order.
+C10_ALWAYS_INLINE FloatLanes sum_adjacent_lanes(FloatLanes x, FloatLanes y) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+#else
+  return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+#endif
+}
+#endif
+
+// Lane i of the result: the sum of the lanes of acc[i], for i < N <= W (the vector's lanes; from N on, 0). One tree
+// of unpacks and 128-bit shuffles transposes and adds them all at once (45 instructions for 16 on AVX-512, 21 for 8
+// on AVX2), where a horizontal sum of each costs about ten.
+template <int N>
+C10_ALWAYS_INLINE Vectorized<float> lane_sums(const Vectorized<float>* acc) {
   using V = Vectorized<float>;
-  constexpr int64_t W = V::size();
+  static_assert(N >= 1 && N <= V::size(), "lane_sums: one vector per lane");
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  FloatLanes v[V::size()];
+  for (int i = 0; i < V::size(); ++i) v[i] = i < N ? FloatLanes(acc[i]) : FloatLanes(V(0.f));
+  const auto quad = [&](int i) { return sum_quads(v[i], v[i + 1], v[i + 2], v[i + 3]); };
+#if defined(CPU_CAPABILITY_AVX512)
+  return sum_adjacent_lanes(sum_adjacent_lanes(quad(0), quad(4)), sum_adjacent_lanes(quad(8), quad(12)));
+#else
+  return sum_adjacent_lanes(quad(0), quad(4));
+#endif
+#else
+  __at_align__ float sums[V::size()] = {};
+  for (int i = 0; i < N; ++i) sums[i] = at::vec::vec_reduce_all<float>([](V& x, V& y) { return x + y; }, acc[i]);
+  return V::loadu(sums);
+#endif
+}
+
+// The lanes of v from `first` on, in lanes 0, 1, ... (the lanes past v's last: any values).
+inline Vectorized<float> lanes_from(const Vectorized<float>& v, int first) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(_mm512_add_epi32(order, _mm512_set1_epi32(first)), v);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_permutevar8x32_ps(v, _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(first)));
+#else
+  __at_align__ float lanes[2 * Vectorized<float>::size()] = {};
+  v.store(lanes);
+  return Vectorized<float>::loadu(lanes + first);
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// Lanes below `count` set: AVX2's masked loads and stores (ATen's partial ones copy through memcpy).
+inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+
+// The first `count` lanes of v stored to dst, and loaded from src (the rest 0).
+inline void store_first(const Vectorized<float>& v, float* dst, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX2)
+  _mm256_maskstore_ps(dst, first_lanes(count), v);
+#else
+  v.store(dst, count);
+#endif
+}
+
+inline Vectorized<float> load_first(const float* src, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_maskload_ps(src, first_lanes(count));
+#else
+  return Vectorized<float>::loadu(src, count);
+#endif
+}
+
+// s[r · lds + j] = (q_r · k_j) · factor_j for r < R, j < n: q rows packed (R × D); key row j at key_at(j), its
+// elements read as T (load_stored<kType> where they are not T); factor_j = factors[j], or 1 without factors. In
+// float the keys go a group at a time, as many as leave one accumulator per (row, key) in a vector's lanes: W
+// independent chains of multiply-adds, each query vector loaded once per group, and the group's dots summed by one
+// lane_sums and stored a row's keys at a time. (In double, key by key, each dot summed on its own.)
+template <CacheType kType, typename T, typename Elem, int R, typename KeyAt>
+void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, int64_t n, T* s, int64_t lds) {
+  using V = Vectorized<T>;
+  constexpr int W = V::size();
+  constexpr bool grouped = std::is_same_v<T, float>;
+  constexpr int kKeys = grouped ? W / R : 1;
+  static_assert(!grouped || R <= W, "row_dots: a lane per row at least");
+  const auto load = [](const Elem* x) {
+    if constexpr (std::is_same_v<Elem, T>) {
+      return V::loadu(x);
+    } else {
+      return load_stored<kType>(x);
+    }
+  };
+  const auto value = [](Elem x) -> T {
+    if constexpr (std::is_same_v<Elem, T>) {
+      return x;
+    } else {
+      return stored_value<kType>(x);
+    }
+  };
   const int64_t full = D / W * W;
-  for (int64_t j = 0; j < n; ++j) {
-    const StoredElem<kType, PlainT>* key = stored_row<kType, PlainT>(keys[j]);
-    if (j + kPrefetchRows < n) prefetch_rows(stored_row<kType, PlainT>(keys[j + kPrefetchRows]), 0, 1, D);
-    V acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = V(0.f);
-    int64_t d = 0;
-    for (; d + 2 * W <= full; d += 2 * W) {
-      const V k0 = load_stored<kType>(key + d), k1 = load_stored<kType>(key + d + W);
+  // The rows this far ahead of a group's are asked for while it runs (each row once, as the groups advance).
+  constexpr int64_t ahead = std::max<int64_t>(kKeys, kPrefetchRows);
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int64_t keys = std::min<int64_t>(kKeys, n - j0);
+    const Elem* key[kKeys];
+    for (int i = 0; i < kKeys; ++i) key[i] = key_at(j0 + std::min<int64_t>(i, keys - 1));  // past n: a repeat, unused
+    for (int64_t j = j0 + ahead; j < std::min(n, j0 + ahead + kKeys); ++j) prefetch_rows(key_at(j), 0, 1, D);
+    V acc[R * kKeys];
+    for (auto& a : acc) a = V(T(0));
+    for (int64_t d = 0; d < full; d += W) {
+      V k[kKeys];
+      for (int i = 0; i < kKeys; ++i) k[i] = load(key[i] + d);
       for (int r = 0; r < R; ++r) {
-        acc0[r] = at::vec::fmadd(V::loadu(q + r * D + d), k0, acc0[r]);
-        acc1[r] = at::vec::fmadd(V::loadu(q + r * D + d + W), k1, acc1[r]);
+        const V query = V::loadu(q + r * D + d);
+        for (int i = 0; i < kKeys; ++i) acc[r * kKeys + i] = at::vec::fmadd(query, k[i], acc[r * kKeys + i]);
       }
     }
-    if (d < full) {
-      const V k0 = load_stored<kType>(key + d);
-      for (int r = 0; r < R; ++r) acc0[r] = at::vec::fmadd(V::loadu(q + r * D + d), k0, acc0[r]);
-    }
-    for (int r = 0; r < R; ++r) {
-      float dot = at::vec::vec_reduce_all<float>([](V& x, V& y) { return x + y; }, acc0[r] + acc1[r]);
-      for (d = full; d < D; ++d) dot += q[r * D + d] * stored_value<kType>(key[d]);
-      s[r * lds + j] = dot * factors[j];
+    // The dot of row r and key i of the group, D's last elements (past `full`) included.
+    const auto tail = [&](int r, int64_t i, T dot) {
+      for (int64_t d = full; d < D; ++d) dot += q[r * D + d] * value(key[i][d]);
+      return dot;
+    };
+    if constexpr (grouped) {
+      V sums = lane_sums<R * kKeys>(acc);
+      if (full < D) {
+        __at_align__ float dots[W];
+        sums.store(dots);
+        for (int r = 0; r < R; ++r) {
+          for (int64_t i = 0; i < keys; ++i) dots[r * kKeys + i] = tail(r, i, dots[r * kKeys + i]);
+        }
+        sums = V::loadu(dots);
+      }
+      const V factor = factors == nullptr ? V(1.f) : load_first(factors + j0, keys);
+      for (int r = 0; r < R; ++r) store_first(lanes_from(sums, r * kKeys) * factor, s + r * lds + j0, keys);
+    } else {
+      TORCH_INTERNAL_ASSERT(factors == nullptr, "row_dots: scale factors are for float rows");
+      for (int r = 0; r < R; ++r) {
+        s[r * lds + j0] = tail(r, 0, at::vec::vec_reduce_all<T>([](V& x, V& y) { return x + y; }, acc[r]));
+      }
     }
   }
 }
@@ -1665,13 +1778,17 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
     for (int r = 0; r < R; ++r) std::fill(o + r * ldo, o + r * ldo + Dv, 0.f);
   }
   float weights[R * kValueRun];
-  const auto pass = [&](auto chunks, int64_t d, const void* const* run, int64_t m) {  // chunks vectors from d on
+  // `chunks` vectors from d on, over the m keys of `run`; the rows of the next run's first `ahead` keys asked for one
+  // per key on the way (all at once, they stall the pass on the cache's fill buffers).
+  const auto pass = [&](auto chunks, int64_t d, const void* const* run, int64_t m, const void* const* next,
+                        int64_t ahead) {
     constexpr int kChunks = decltype(chunks)::value;
     V acc[kChunks][R];
     for (int c = 0; c < kChunks; ++c) {
       for (int r = 0; r < R; ++r) acc[c][r] = V::loadu(o + r * ldo + d + c * W);
     }
     for (int64_t j = 0; j < m; ++j) {
+      if (j < ahead) prefetch_rows(stored_row<kType, PlainT>(next[j]), 0, 1, Dv);
       for (int c = 0; c < kChunks; ++c) {
         const V stored = load_stored<kType>(stored_row<kType, PlainT>(run[j]) + d + c * W);
         for (int r = 0; r < R; ++r) acc[c][r] = at::vec::fmadd(V(weights[r * kValueRun + j]), stored, acc[c][r]);
@@ -1685,15 +1802,13 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
   for (int64_t j0 = 0; j0 < n; j0 += kValueRun) {
     const int64_t m = std::min(kValueRun, n - j0);
     const void* const* run = values + j0;
-    for (int64_t j = j0 + m; j < std::min(n, j0 + m + kValueRun); ++j) {  // the next run's rows
-      prefetch_rows(stored_row<kType, PlainT>(values[j]), 0, 1, Dv);
-    }
+    int64_t ahead = std::min(m, n - (j0 + m));  // the next run's rows, asked for during the first pass
     for (int64_t j = 0; j < m; ++j) {
       for (int r = 0; r < R; ++r) weights[r * kValueRun + j] = p[r * ldp + j0 + j] * factors[j0 + j];
     }
     int64_t d = 0;
-    for (; d + C * W <= full; d += C * W) pass(std::integral_constant<int, C>{}, d, run, m);
-    for (; d < full; d += W) pass(std::integral_constant<int, 1>{}, d, run, m);
+    for (; d + C * W <= full; d += C * W, ahead = 0) pass(std::integral_constant<int, C>{}, d, run, m, run + m, ahead);
+    for (; d < full; d += W, ahead = 0) pass(std::integral_constant<int, 1>{}, d, run, m, run + m, ahead);
     for (; d < Dv; ++d) {
       for (int64_t j = 0; j < m; ++j) {
         const float stored = stored_value<kType>(stored_row<kType, PlainT>(run[j])[d]);
@@ -1715,7 +1830,7 @@ inline void prefetch_following_keys(const Params& p, const View& view, int64_t b
 
 // The scores s (rows × n, row stride lds) of query rows q (packed, rows × D) against the keys k0 .. k0 + n of
 // head hk of batch row b, read in place (an 8-bit cache, bf16, or a paged float cache: decode_impl's `stored`)
-// across the cache's blocks: stored_row_dots, kDotRows rows at a time, over the rows find_stored_rows lists in
+// across the cache's blocks: row_dots, kDotRows rows at a time, over the rows find_stored_rows lists in
 // `found` and `factors` (room for n each). The operands are float wherever this is reached. `following`: how many
 // keys after these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
 template <typename PlainT, typename Q, typename S>
@@ -1729,8 +1844,10 @@ void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t
           find_stored_rows<kType, PlainT>(p, p.key, p.k_scale, b, hk, k0, n, found, factors);
           prefetch_following_keys<StoredElem<kType, PlainT>>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
         }
-        stored_row_dots<kType, PlainT, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk, found, factors, n,
-                                                               s + r0 * lds, lds);
+        const auto key_at = [found](int64_t j) { return stored_row<kType, PlainT>(found[j]); };
+        row_dots<kType, float, StoredElem<kType, PlainT>, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk,
+                                                                                  key_at, factors, n, s + r0 * lds,
+                                                                                  lds);
       });
     }
   } else {
@@ -1881,13 +1998,19 @@ void decode_impl(const Params& p) {
             k_float = reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0));
             ldk = p.key.s[2];
           }
+          // The scores of n K rows from `first` on, at stride ldk, into the block's columns from j0 on.
+          const auto dots_with = [&](const ct* first, int64_t j0, int64_t n) {
+            with_rows(rows, [&](auto count) {
+              const auto key_at = [first, ldk](int64_t j) { return first + j * ldk; };
+              row_dots<CacheType::Plain, ct, ct, decltype(count)::value>(qbuf, D, key_at, nullptr, n, sbuf + j0, bk);
+            });
+          };
           if (rows <= kDotRows && k_float != krows) {  // K rows in place, run by run
             for_each_run([&](int64_t j0, int64_t n) {
-              row_dots(qbuf, rows, D, reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0 + j0)), ldk, n,
-                       sbuf + j0, bk);
+              dots_with(reinterpret_cast<const ct*>(key_row(p, p.key, K, b, hk, k0 + j0)), j0, n);
             });
           } else if (rows <= kDotRows) {
-            row_dots(qbuf, rows, D, k_float, ldk, bk, sbuf, bk);
+            dots_with(k_float, 0, bk);
           } else {
             pack_b(kbuf, k_float, 1, ldk, D, D, bk);  // Kᵀ by blocked transposes
             gemm<ct, acc_t>(rows, bk, D, qbuf, D, kbuf, bk, sbuf, bk, false, p.use_brgemm);
