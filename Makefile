@@ -15,13 +15,16 @@ TRITON_TESTS ?= tests/test_triton.py
 
 .PHONY: test bench install clean check-gpu-install check-gpu-install-full test-triton gpu-check
 
+PIP_INSTALL := $(PY) -m pip install --quiet --disable-pip-version-check
+
 install: $(INSTALLED)
 
+# QUIET (empty: each command is echoed) is `@` where the install runs for `make gpu-check`.
 $(INSTALLED): $(SOURCES)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
-	touch $@
+	$(QUIET)test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(QUIET)$(PIP_INSTALL) -r requirements.txt
+	$(QUIET)$(PIP_INSTALL) --no-build-isolation --no-deps -e .
+	$(QUIET)touch $@
 
 # One pytest-xdist worker per core, up to 4 (TEST_WORKERS=0: all in this process); the static GPU report is compiled
 # once per run and shared by the workers (tests/conftest.py). The slowest 25 tests are listed at the end: where the
@@ -36,9 +39,12 @@ bench: $(INSTALLED)
 
 # On a CUDA machine: the GPU tests, the correctness check and the timing grid against each SDPA kernel,
 # FlexAttention and flash-attn, into one report in bench/results (exit 1 on a correctness failure).
-# Without a GPU: one line, exit 0 (`$(PY) -m bench.gpu_check --dry-run` runs the pipeline on the CPU).
+# Without a GPU: one line, exit 0 (`$(PY) -m bench.gpu_check --dry-run` runs the pipeline on the CPU), the install
+# of a fresh clone included: its commands are not echoed, and pip prints its errors alone.
+gpu-check: QUIET := @
+gpu-check: PIP_INSTALL += --quiet
 gpu-check: $(INSTALLED)
-	$(PY) -m bench.gpu_check
+	@$(PY) -m bench.gpu_check
 
 # Fast (CI runs it): requirements.txt resolves as on a Linux GPU runner, whose pip sees PyPI's CUDA
 # build of torch, with the Triton that torch pins.
@@ -55,8 +61,7 @@ check-gpu-install-full:
 # .triton/<version> and put first on PYTHONPATH for the venv's interpreter.
 test-triton: $(INSTALLED)
 	set -e; for version in $(TRITON_VERSIONS); do \
-	  test -d .triton/$$version || $(PY) -m pip install --quiet --disable-pip-version-check --no-deps \
-	    --target .triton/$$version triton==$$version; \
+	  test -d .triton/$$version || $(PIP_INSTALL) --no-deps --target .triton/$$version triton==$$version; \
 	  echo "== triton $$version"; \
 	  PYTHONPATH=.triton/$$version $(PY) -m pytest -q $(TRITON_TESTS) $(PYTEST_ARGS); \
 	  PYTHONPATH=.triton/$$version $(PY) -m bench.triton_report; \

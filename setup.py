@@ -2,7 +2,9 @@
 
 The CUDA kernels are compiled when the installed torch was built with CUDA and a CUDA toolkit is
 found (torch's rule: CUDA_HOME, else the directory above the `nvcc` on PATH, else /usr/local/cuda); the
-target architectures come from TORCH_CUDA_ARCH_LIST (default 8.0;8.6;9.0). No GPU is queried.
+target architectures come from TORCH_CUDA_ARCH_LIST (default 8.0;8.6;9.0;10.0;12.0+PTX: Ampere, Hopper, Blackwell,
+and PTX that the driver compiles for later devices). The extension records them (fused_attn._C.cuda_architectures),
+and the cuda backend refuses a device none of them runs on. No GPU is queried.
 
     FUSED_ATTN_BUILD_EXTENSION=0   the pure-Python package (Triton and reference backends)
     FUSED_ATTN_BUILD_CUDA=auto     CUDA kernels when possible, else a warning that says why (default)
@@ -15,10 +17,12 @@ import os
 import warnings
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension, _get_cuda_arch_flags
 import torch
 
-DEFAULT_CUDA_ARCHS = "8.0;8.6;9.0"
+# nvcc 13.0 (CUDA 13.0, which PyPI's torch 2.13.0 is built with) compiles for compute_75 to compute_121. A cubin runs
+# on its major's later minors too (8.6: 8.7 and 8.9; 10.0: 10.3; 12.0: 12.1), PTX on every later device.
+DEFAULT_CUDA_ARCHS = "8.0;8.6;9.0;10.0;12.0+PTX"
 
 
 def cuda_build_problem() -> str | None:
@@ -51,6 +55,14 @@ def build_cuda() -> bool:
     return False
 
 
+def cuda_architectures() -> str:
+    """What nvcc builds the kernels for, read from the -gencode flags torch's own routine makes of
+    TORCH_CUDA_ARCH_LIST for the build: "sm_XY" for a cubin, "compute_XY" for PTX, comma-separated (a preprocessor
+    token list: fused_attn._C.cuda_architectures)."""
+    codes = {flag.split(",code=")[1] for flag in _get_cuda_arch_flags()}
+    return ",".join(sorted(codes, key=lambda code: (int("".join(filter(str.isdigit, code))), code)))
+
+
 def extensions():
     if os.environ.get("FUSED_ATTN_BUILD_EXTENSION", "1") == "0":
         return []
@@ -64,6 +76,7 @@ def extensions():
                              extra_link_args=["-fopenmp"])]
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    cxx_flags.append(f"-DFUSED_ATTN_CUDA_ARCHITECTURES={cuda_architectures()}")
     return [CUDAExtension("fused_attn._C", sources,
                           extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
                           extra_link_args=["-fopenmp"])]

@@ -11,6 +11,8 @@ from fused_attn.backends.triton_kernels import SHARED_MEMORY_LIMIT
 
 # One SASS instruction line of `cuobjdump --dump-sass`: /*offset*/, an optional predicate, the opcode.
 SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
+# The architecture a cubin's code was built for, from the header of its `cuobjdump --dump-sass`: "code for sm_90a".
+SASS_ARCHITECTURE = re.compile(r"^\s*code for (sm_\w+)", re.MULTILINE)
 
 
 class ToolMissing(FileNotFoundError):

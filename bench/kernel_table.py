@@ -9,16 +9,16 @@ def format_table(rows: list[dict]) -> str:
     def text(value):
         return "-" if value is None else str(value)
 
-    header = ("backend", "kernel", "target", "dtype", "D", "causal", "dropout", "bias grad", "scores", "config",
-              "regs",
+    header = ("backend", "kernel", "target", "cubin arch", "dtype", "D", "causal", "dropout", "bias grad", "scores",
+              "config", "regs",
               "spill B", "stack B", "smem KiB", "tensor-core ops", "TMA ops", "launch warps", "fits")
     lines = [header]
     for row in rows:
         tensor_cores = " ".join(f"{name}:{count}" for name, count in
                                 sorted(row["tensor_core_instructions"].items())) or "-"
         tma = " ".join(f"{name}:{count}" for name, count in sorted(row.get("tma_instructions", {}).items())) or "-"
-        lines.append((row["backend"], row["kernel"], row["target"], text(row["dtype"]), text(row["head_dim"]),
-                      text(row["causal"]), text(row.get("dropout")), text(row.get("bias_grad")),
+        lines.append((row["backend"], row["kernel"], row["target"], text(row.get("cubin_arch")), text(row["dtype"]),
+                      text(row["head_dim"]), text(row["causal"]), text(row.get("dropout")), text(row.get("bias_grad")),
                       text(row.get("scores")), row["config"],
                       str(row["registers"]),
                       str(row["spill_bytes"]),

@@ -15,13 +15,16 @@ Triton wheel: `--dump-resource-usage` for registers, stack and local memory, `--
 loads/stores (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90,
 UTCHMMA — Blackwell's tcgen05.mma on fp16/bf16 operands — on sm_100; the decode kernel's 16-row tiles stay
 warp-level HMMA on both). Shared memory is Triton's dynamic allocation from the kernel metadata plus any
-static shared memory.
+static shared memory. Triton builds capability 9.0 and 10.0 as the architecture-specific sm_90a and sm_100a (wgmma
+and tcgen05.mma exist only there), as it does on such a device; each row records the architecture its cubin's SASS
+names (`cubin_arch`), and a cubin of another architecture than its target fails the row.
 
 The tensor-descriptor variants (`triton_kernels` DESCRIPTORS: the forward's Q, K, V and O, the backward's Q, K, V,
 dO, dQ, dK and dV through `tl.make_tensor_descriptor`) have rows of their own for sm_90 and sm_100, the forward's
 plain and warp-specialized ("fwd_desc", "fwd_desc_ws"), the backward's dK/dV and dQ, plain and warp-specialized
-too ("bwd_dkdv_desc", "bwd_dq_desc", "bwd_dkdv_desc_ws", "bwd_dq_desc_ws"), over what they serve (no packed batch,
-no paged cache); they add the TMA instructions of the SASS (UTMALDG loads must be there, UTMASTG stores), the
+too ("bwd_dkdv_desc", "bwd_dq_desc", "bwd_dkdv_desc_ws", "bwd_dq_desc_ws"), and the split-KV decode kernel's, plain
+and warp-specialized ("decode_desc", "decode_desc_ws"), over what they serve (no packed batch, no paged cache); they
+add the TMA instructions of the SASS (UTMALDG loads and UTMASTG stores must both be there), the
 global scratch memory the descriptors take per program, whether Triton split the loop into warp-specialized
 partitions (its TTGIR holds `ttg.warp_specialize`) and the warps a launch then takes.
 
@@ -81,16 +84,17 @@ HEAD_DIMS = (64, 128)
 # kernel, its config's switches)}: the forward at its default config with Q, K, V and O through tensor descriptors
 # ("fwd_desc"), and with its key loop warp-specialized too ("fwd_desc_ws"); the dK/dV and dQ kernels with Q, K, V,
 # dO and their gradients through descriptors, and with their loops warp-specialized ("bwd_dkdv_desc_ws",
-# "bwd_dq_desc_ws"); the split-KV decode kernel with a dense cache's K and V through
-# descriptors, at its fixed config; compiled for the targets with TMA. Their SASS must hold TMA loads
-# (UTMALDG).
+# "bwd_dq_desc_ws"); the split-KV decode kernel with a dense cache's K and V and the splits' outputs through
+# descriptors, at its fixed config, and with its key loop warp-specialized ("decode_desc_ws"); compiled for the
+# targets with TMA. Their SASS must hold TMA loads (UTMALDG) and stores (UTMASTG).
 DESCRIPTOR_VARIANTS = {"fwd_desc": ("fwd", dict(descriptors=True)),
                        "fwd_desc_ws": ("fwd", dict(descriptors=True, warp_specialize=True)),
                        "bwd_dkdv_desc": ("bwd_dkdv", dict(descriptors=True)),
                        "bwd_dkdv_desc_ws": ("bwd_dkdv", dict(descriptors=True, warp_specialize=True)),
                        "bwd_dq_desc": ("bwd_dq", dict(descriptors=True)),
                        "bwd_dq_desc_ws": ("bwd_dq", dict(descriptors=True, warp_specialize=True)),
-                       "decode_desc": ("decode", dict(descriptors=True))}
+                       "decode_desc": ("decode", dict(descriptors=True)),
+                       "decode_desc_ws": ("decode", dict(descriptors=True, warp_specialize=True))}
 DESCRIPTOR_TARGETS = ("sm_90", "sm_100")
 WARP_SPECIALIZED_VARIANTS = tuple(name for name, (_, switches) in DESCRIPTOR_VARIANTS.items()
                                   if switches.get("warp_specialize"))
@@ -149,7 +153,7 @@ def base_kernel(kernel: str) -> str:
 
 def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     if kernel in WARP_SPECIALIZED_VARIANTS:  # what the autotuner offers them for (triton_kernels.warp_specializable)
-        return VARIANTS[:3]
+        return VARIANTS[:2] if base_kernel(kernel) == "decode" else VARIANTS[:3]  # the decode takes no dropout
     if kernel in DESCRIPTOR_VARIANTS:  # what a descriptor serves: no packed batch, no paged cache
         return tuple(v for v in variants(base_kernel(kernel)) if v[3] not in (PACKED, *PAGED_CACHES))
     if kernel == "bwd_dkdv":
@@ -169,7 +173,8 @@ def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERN
     """One dict per (kernel, target, dtype, head dim, causal, dropout, bias_grad, scores): resources,
     instructions, verdict.
 
-    Keys: backend, kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores, config, registers, spill_bytes,
+    Keys: backend, kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores, config, cubin_arch (the
+    architecture the cubin's SASS names: sm_90a for target sm_90, sm_100a for sm_100), registers, spill_bytes,
     stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
     """
     # One child process per target, at the same time (the compilations are independent).
@@ -295,7 +300,9 @@ def _representative_call(kernel, dtype_name, head_dim, causal, dropout, bias_gra
             args, constexprs = triton_decode.decode_args(q1, k, v, None, padding, causal, scale, variant, 4,
                                                          part_o, part_lse, pages)
             _check_served(kernel, dict(key=k, value=v), pages, None)
-            constexprs["DESCRIPTORS"] = kernel in DESCRIPTOR_VARIANTS
+            switches = DESCRIPTOR_VARIANTS[kernel][1] if kernel in DESCRIPTOR_VARIANTS else {}
+            constexprs.update(DESCRIPTORS=switches.get("descriptors", False),
+                              WARP_SPECIALIZE=switches.get("warp_specialize", False))
             fixed = _fixed(constexprs, triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES)
         else:
             args, constexprs = triton_decode.combine_args(part_o, part_lse, out[:, :, :1], lse[:, :, :1], heads, 4,
@@ -342,6 +349,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
         return int(found.group(1)) if found else 0
 
     opcodes = gpu_binaries.SASS_INSTRUCTION.findall(sass)
+    built = gpu_binaries.SASS_ARCHITECTURE.search(sass)
     tensor_core, tma = {}, {}
     local_accesses = 0
     for opcode in opcodes:
@@ -353,6 +361,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
         if base in ("LDL", "STL"):
             local_accesses += 1
     row = {
+        "cubin_arch": built.group(1) if built else None,
         "registers": field("REG"),
         "spill_bytes": field("LOCAL"),
         "stack_bytes": field("STACK"),
@@ -365,11 +374,16 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
                                               local_accesses)
     if not opcodes:
         problems.append("no SASS instructions found in the cubin")
+    # Triton builds sm_90 and sm_100 as their architecture-specific sm_90a and sm_100a (wgmma, tcgen05.mma).
+    if row["cubin_arch"] is None or not re.fullmatch(rf"{target}a?", row["cubin_arch"]):
+        problems.append(f"the cubin is built for {row['cubin_arch'] or 'no architecture its SASS names'}, not {target}")
     prefix = tensor_core_prefix(kernel, target)
     if needs_tensor_cores and not any(op.split(".")[0] == prefix for op in tensor_core):
         problems.append(f"no {prefix} instructions (found {sorted(tensor_core) or 'none'})")
     if kernel in DESCRIPTOR_VARIANTS and "UTMALDG" not in tma:
         problems.append(f"no TMA loads (UTMALDG; found {sorted(tma) or 'none'})")
+    if kernel in DESCRIPTOR_VARIANTS and "UTMASTG" not in tma:
+        problems.append(f"no TMA stores (UTMASTG; found {sorted(tma) or 'none'})")
     row["problems"] = problems
     return row
 
@@ -402,7 +416,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
                                   target=GPUTarget("cuda", TARGETS[target], 32), options=options)
     except Exception as error:  # a config that does not compile is a reported failure, not a crash
         message = str(error).strip().splitlines()
-        return dict(row, registers=0, spill_bytes=0, stack_bytes=0, shared_bytes=0,
+        return dict(row, cubin_arch=None, registers=0, spill_bytes=0, stack_bytes=0, shared_bytes=0,
                     tensor_core_instructions={}, tma_instructions={}, global_scratch_bytes=0, warp_specialized=False,
                     launch_warps=0, fits=False,
                     problems=[f"does not compile: {type(error).__name__}: {message[-1] if message else ''}"])

@@ -23,11 +23,25 @@
 
 extern PyMethodDef fused_attn_module_methods[];  // csrc/plain_call.cpp
 
+#define FUSED_ATTN_STRINGIFY_(...) #__VA_ARGS__
+#define FUSED_ATTN_STRINGIFY(...) FUSED_ATTN_STRINGIFY_(__VA_ARGS__)
+
 extern "C" {
 // `import fused_attn._C` loads this library, which registers the ops below as a side effect.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, fused_attn_module_methods};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+#ifdef FUSED_ATTN_CUDA_ARCHITECTURES
+  // What nvcc built the CUDA kernels for (setup.py: sm_XY cubins, compute_XY PTX), which the cuda backend
+  // compares with a device's compute capability.
+  if (module != nullptr &&
+      PyModule_AddStringConstant(module, "cuda_architectures",
+                                 FUSED_ATTN_STRINGIFY(FUSED_ATTN_CUDA_ARCHITECTURES)) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+#endif
+  return module;
 }
 }
 

@@ -160,7 +160,7 @@ def _append_quantized(cache, scales, layout, new, positions, block_table, block_
     _append(cache, quantization.quantize(new, new_scales, cache.dtype), positions, block_table, block_size)
 
 
-def _chosen_backend(query, heads_kv, dim_k, dim_v, len_k, banded, scale, variant, backend, cache_dtype):
+def _chosen_backend(query, heads_kv, dim_k, dim_v, len_k, banded, scale, variant, backend, cache_dtype, paged):
     """The backend that runs the call's attention, chosen (and what it relies on checked) before anything
     is appended, so that a refused call leaves the cache as it was."""
     batch, heads_q, len_q, dim = query.shape
@@ -173,7 +173,7 @@ def _chosen_backend(query, heads_kv, dim_k, dim_v, len_k, banded, scale, variant
                       len_q=len_q, len_k=len_k, head_dim_qk=dim, head_dim_v=dim_v, is_causal=False,
                       dropout_p=0.0, mask_dtype=torch.bool if banded else None, mask_requires_grad=False,
                       has_key_padding_mask=True, score_features=variant.features(False),
-                      cache_dtype=cache_dtype if cache_dtype in quantization.CACHE_DTYPES else None)
+                      cache_dtype=cache_dtype if cache_dtype in quantization.CACHE_DTYPES else None, paged=paged)
     return registry.choose(problem, backend)
 
 
@@ -303,9 +303,11 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
     else:
         kernel_sinks = None if alibi_slopes is not None else sinks
         kernel_variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, kernel_sinks)
+    # Rows named by cache_batch_idx and the rows of a dense 8-bit cache are read as a paged cache's blocks (below).
+    read_as_blocks = paged or (capacity > 0 and (cache_batch_idx is not None or scale_layout is not None))
     chosen = _chosen_backend(query, k_cache.shape[2] if paged else k_cache.shape[1], k_cache.shape[3],
                              v_cache.shape[3], capacity, banded and common_end is None, scale, kernel_variant, backend,
-                             k_cache.dtype)
+                             k_cache.dtype, read_as_blocks)
 
     with torch.no_grad():
         if key is not None:

@@ -44,6 +44,9 @@ class Problem(NamedTuple):
     score_features: tuple[str, ...] = ()  # what the call's ScoreVariant asks (fused_attn.scores.FEATURES)
     varlen: bool = False  # a packed batch of sequences (fused_attn.varlen); lengths are the largest possible
     cache_dtype: torch.dtype | None = None  # an 8-bit key/value cache's dtype (fused_attn.quantization)
+    # Keys and values read from a key/value cache's blocks through a block table (`Backend.forward_paged`): a paged
+    # cache, and the dense caches fused_attn.kvcache reads as one (rows named by cache_batch_idx, 8-bit rows).
+    paged: bool = False
 
     @classmethod
     def of(cls, query, key, value, attn_mask, key_padding_mask, is_causal, dropout_p,

@@ -602,14 +602,15 @@ def run_backend(backend, inputs: Inputs, out_layout: str | None = None) -> Resul
 
 
 def check_padding_is_not_read(backend, dtype: torch.dtype, generator, margin: int = 0, device="cpu",
-                              poison: float = float("nan"), len_q: int = 19,
-                              len_k: int | None = None) -> dict[str, tuple[float, float]]:
+                              poison: float = float("nan"), len_q: int = 19, len_k: int | None = None,
+                              laid_out=None) -> dict[str, tuple[float, float]]:
     """Keys that a batch row's padding leaves outside its span of unpadded keys, further than `margin`
     from it, are never read by `backend` (Backend.forward / backward): K and V poisoned with `poison`
     (NaN, inf or -inf) there give the results of clean ones. Row 0 is left-padded, row 1 right-padded,
     row 2 both, so each span starts and ends inside a key block of the kernels. `margin` allows for
     kernels that read whole key blocks at the span's edges (masking the padded keys of those); len_k
-    defaults to 2 * margin + 60."""
+    defaults to 2 * margin + 60. `laid_out`: None, or a function giving the inputs in other layouts (those
+    a kernel variant reads), applied before K and V are poisoned."""
     len_k = 2 * margin + 60 if len_k is None else len_k
     case = Case(batch=3, heads_q=2, heads_kv=1, len_q=len_q, len_k=len_k, dim_qk=16, key_padding=True)
     inputs = random_inputs(case, dtype, 0, generator, device)
@@ -618,6 +619,8 @@ def check_padding_is_not_read(backend, dtype: torch.dtype, generator, margin: in
     padding[[0, 2], :first] = True
     padding[[1, 2], end:] = True
     inputs = dataclasses.replace(inputs, key_padding_mask=padding.to(device))
+    if laid_out is not None:
+        inputs = laid_out(inputs)
     expected = reference_for(inputs, torch.float64), reference_for(inputs, dtype)
     with torch.no_grad():
         for tensor in (inputs.key, inputs.value):

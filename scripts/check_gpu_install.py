@@ -157,7 +157,7 @@ IMPORT_CHECK = """
 import json, torch, fused_attn
 from fused_attn.backends import cuda
 print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
-                  "cuda_kernels": cuda.has_cuda_kernels(),
+                  "cuda_kernels": cuda.has_cuda_kernels(), "architectures": cuda.built_architectures(),
                   "backends": fused_attn.available_backends()}))
 """
 
@@ -175,6 +175,8 @@ def check_import(python: Path, source: Path) -> list[str]:
         problems.append(f"the venv's torch {found['torch']} is not a CUDA build")
     if not found["cuda_kernels"]:
         problems.append("fused_attn._C has no CUDA kernels")
+    elif not found["architectures"]:
+        problems.append("fused_attn._C does not record the architectures its CUDA kernels were built for")
     reasons = found["backends"]
     if reasons.get("cpu") is not None or reasons.get("reference") is not None:
         problems.append(f"cpu/reference backends unavailable: {reasons}")

@@ -985,6 +985,36 @@ def test_backend_refusals_name_each_reason():
     assert registry.get("cuda").refusals(fine) == ["runs on CUDA tensors only, got device cpu"]
 
 
+DEFAULT_BUILD = "sm_80,sm_86,sm_90,sm_100,compute_120,sm_120"  # what setup.py records for its default arch list
+
+
+@pytest.mark.parametrize("recorded, capability, refused", [
+    (DEFAULT_BUILD, (8, 0), False), (DEFAULT_BUILD, (8, 9), False),  # Ada runs the sm_86 cubin
+    (DEFAULT_BUILD, (9, 0), False), (DEFAULT_BUILD, (10, 3), False), (DEFAULT_BUILD, (12, 1), False),
+    (DEFAULT_BUILD, (13, 0), False),  # the PTX, compiled by the driver
+    (DEFAULT_BUILD, (11, 0), True),  # neither a cubin of its major nor PTX of an earlier one
+    ("sm_80,sm_86,sm_90", (10, 0), True), ("sm_80,sm_86,sm_90", (12, 0), True),  # the earlier default on Blackwell
+    ("sm_90a", (9, 0), False), ("sm_90a,sm_100a", (10, 3), True),  # architecture-specific cubins: their own alone
+    ("sm_80,compute_80", (12, 0), False), ("sm_90", (8, 6), True),
+])
+def test_backend_refuses_a_device_its_kernels_were_not_built_for(recorded, capability, refused, monkeypatch):
+    """A device that none of the extension's cubins or PTX (fused_attn._C.cuda_architectures, recorded at the build)
+    runs on is refused, with its capability and what was built, rather than failing with "no kernel image"."""
+    from types import SimpleNamespace
+
+    from fused_attn import _extension
+    from fused_attn.problem import Problem
+
+    monkeypatch.setattr(_extension, "_C", SimpleNamespace(cuda_architectures=recorded))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    problem = Problem(torch.device("cuda", 0), torch.float16, 1, 2, 2, 64, 64, 64, 64, False, 0.0, None, False, False)
+    reasons = registry.get("cuda").device_refusals(problem)
+    name = f"{capability[0]}.{capability[1]}"
+    expected = [f"fused_attn._C has no kernel image for compute capability {name}: it was built for "
+                f"{recorded.replace(',', ', ')} (TORCH_CUDA_ARCH_LIST at install; reinstall with {name} in it)"]
+    assert reasons == (expected if refused else [])
+
+
 # ---- on a CUDA device -----------------------------------------------------------------------------
 
 @pytest.mark.cuda

@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -38,6 +39,22 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
     lines = completed.stdout.strip().splitlines()
     assert len(lines) == 1 and "no CUDA GPU is visible" in lines[0], completed.stdout
     assert "40 shapes" in lines[0] and "20 decode rows" in lines[0]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_0(tmp_path):
+    """`make gpu-check` itself, as on a fresh clone: its install step runs without echoing its commands. Here that
+    step installs nothing (pip's commands are `:`) into a stamp of its own, and the check runs this interpreter."""
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # as a user runs it, not as a sub-make
+    environment["CUDA_VISIBLE_DEVICES"] = ""
+    stamp = tmp_path / "installed"
+    completed = subprocess.run(["make", "gpu-check", f"PY={sys.executable}", "PIP_INSTALL=:", f"INSTALLED={stamp}"],
+                               cwd=ROOT, env=environment, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert stamp.exists()  # the install step ran
+    lines = (completed.stdout + completed.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA GPU is visible"), lines
 
 
 def test_grid_is_the_issues():

@@ -103,14 +103,20 @@ def test_source_copy_has_the_tree_and_no_build_products(tmp_path):
     assert not any(name.endswith(".so") or name.startswith((".venv", "build/")) for name in copied)
 
 
+BUILT = ["sm_80", "sm_86", "sm_90", "sm_100", "compute_120", "sm_120"]
+
+
 @pytest.mark.parametrize("found, expected", [
-    ({"cuda": "13.0", "cuda_kernels": True, "backends": {
+    ({"cuda": "13.0", "cuda_kernels": True, "architectures": BUILT, "backends": {
         "triton": "no CUDA device (torch 2.13.0+cu130); ...", "cuda": "no CUDA device", "cpu": None,
         "reference": None}}, []),
-    ({"cuda": "13.0", "cuda_kernels": False, "backends": {
+    ({"cuda": "13.0", "cuda_kernels": True, "architectures": [], "backends": {
+        "triton": "no CUDA device", "cuda": "no CUDA device", "cpu": None, "reference": None}},
+     ["does not record the architectures"]),
+    ({"cuda": "13.0", "cuda_kernels": False, "architectures": [], "backends": {
         "triton": "no CUDA device", "cuda": "the C++ extension fused_attn._C was built without CUDA kernels",
         "cpu": None, "reference": None}}, ["no CUDA kernels", "cuda backend"]),
-    ({"cuda": None, "cuda_kernels": False, "backends": {
+    ({"cuda": None, "cuda_kernels": False, "architectures": [], "backends": {
         "triton": "triton is not installed", "cuda": "no CUDA device", "cpu": None, "reference": None}},
      ["not a CUDA build", "no CUDA kernels", "triton backend"]),
 ])

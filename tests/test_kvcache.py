@@ -826,3 +826,34 @@ def test_registry_says_which_backends_dequantize_an_8bit_cache():
         assert (not notes) == backend.reads_quantized_cache, name
         assert backend.notes(problem._replace(cache_dtype=None)) == [], name
     assert not registry.get("cuda").reads_quantized_cache
+
+
+@pytest.mark.parametrize("cache, read_as_blocks", [("dense", False), ("paged", True), ("named_rows", True),
+                                                   ("int8_rows", True)])
+def test_problem_says_whether_the_cache_is_read_as_blocks(generator, monkeypatch, cache, read_as_blocks):
+    """The Problem the registry chooses by marks a cache read through a block table, whatever its dtype: a paged
+    cache, the rows cache_batch_idx names and the rows of a dense 8-bit cache (the triton backend's notes say its
+    descriptor variants cannot read those)."""
+    from fused_attn.backends import registry
+
+    problems = []
+    choose = registry.choose
+    monkeypatch.setattr(registry, "choose", lambda problem, explicit=None: problems.append(problem) or
+                        choose(problem, explicit))
+    batch, capacity = 2, 16
+    query = torch.randn(batch, HEADS_Q, 1, DIM, generator=generator)
+    options = {}
+    if cache == "paged":
+        k_cache, v_cache = (torch.randn(4, capacity // 2, HEADS_KV, DIM, generator=generator) for _ in range(2))
+        options = dict(block_table=torch.tensor([[2, 0], [1, 3]], dtype=torch.int32))
+    else:
+        dtype = torch.int8 if cache == "int8_rows" else torch.float32
+        k_cache, v_cache = (torch.ones(batch, HEADS_KV, capacity, DIM, dtype=dtype) for _ in range(2))
+    if cache == "named_rows":
+        options = dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int32))
+    if cache == "int8_rows":
+        options = dict(k_scale=torch.ones(batch, HEADS_KV), v_scale=torch.ones(batch, HEADS_KV))
+    fused_attn.attention_with_kvcache(query, k_cache, v_cache, cache_seqlens=torch.tensor([3, 9], dtype=torch.int32),
+                                      backend="reference", **options)
+    assert problems[0].paged == read_as_blocks
+    assert problems[0].cache_dtype == (torch.int8 if cache == "int8_rows" else None)

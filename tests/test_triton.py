@@ -16,7 +16,9 @@ kernel source stays exactly what the GPU compiles.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -51,6 +53,23 @@ if not HAS_CUDA and not tk.interpreting():
 # the causal start of the dK/dV loop is rounded down to a query block.
 SMALL_TILES = dict(fwd=tk.KernelConfig(16, 32, 4, 1), bwd_dkdv=tk.KernelConfig(32, 16, 4, 1),
                    bwd_dq=tk.KernelConfig(16, 32, 4, 1))
+
+# The tests that need the tensor-descriptor variants offered: by the installed Triton (triton_compat.DESCRIPTORS_FROM)
+# and, on a GPU, by the device (TMA from compute capability 9.0 on).
+_DESCRIPTORS_UNAVAILABLE = tk.descriptors_unavailable(torch.device(DEVICE))
+needs_descriptors = pytest.mark.skipif(_DESCRIPTORS_UNAVAILABLE is not None, reason=str(_DESCRIPTORS_UNAVAILABLE))
+# How the kernels of a test read Q, K, V and write their outputs: through pointers, or through tensor descriptors
+# (`reading_through`).
+READS = ["pointers", pytest.param("descriptors", marks=needs_descriptors)]
+
+
+def reading_through(reads: str, monkeypatch) -> dict:
+    """For "descriptors", forces the descriptor variants (FUSED_ATTN_TRITON_DESCRIPTORS=1) and returns the record of
+    each launch's variant, by kernel (`_recording_variants`); for "pointers", an empty record."""
+    if reads == "pointers":
+        return {}
+    monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "1")
+    return _recording_variants(monkeypatch, decode=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,9 +259,13 @@ def test_decode_split_count_follows_the_problem():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", ["gqa", "key_padding_and_mask", "lse_grad_gqa", "hidden_rows"])
-def test_gradients_bitwise_identical_on_two_runs(name, dtype, generator):
+@pytest.mark.parametrize("reads", READS)
+def test_gradients_bitwise_identical_on_two_runs(reads, name, dtype, generator, monkeypatch):
     case = CASES[name]
     inputs = make_inputs(case, dtype, 1, generator)
+    variants = reading_through(reads, monkeypatch)
+    if reads == "descriptors":
+        inputs = in_descriptor_layouts(inputs, 1)
     with tk.forced_configs(**SMALL_TILES):
         first = run_backend(inputs, "contiguous")
         second = run_backend(inputs, "seq_first")
@@ -250,6 +273,8 @@ def test_gradients_bitwise_identical_on_two_runs(name, dtype, generator):
         a, b = getattr(first, field), getattr(second, field)
         assert not torch.isnan(a).any()
         assert torch.equal(a, b), field
+    if reads == "descriptors":
+        assert variants == {"fwd": [True] * 2, "bwd_dkdv": [True] * 2, "bwd_dq": [True] * 2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -991,12 +1016,16 @@ def _seen_but_in_tiles_1(b, h, q_idx, kv_idx):
 
 
 @pytest.mark.parametrize("dtype,rotation,tiles", PROGRAM_CHECKS)
-def test_program_empty_tiles_are_never_read(dtype, rotation, tiles, generator):
+@pytest.mark.parametrize("reads", READS)
+def test_program_empty_tiles_are_never_read(reads, dtype, rotation, tiles, generator, monkeypatch):
     """Keys and values NaN in a key tile no query sees, queries and dO NaN in a query tile that sees no key:
     the results of clean ones. A block of an empty tile that were visited, even with every score hidden, would
     turn them into NaN (0 * NaN in P V, dS K, P^T dO and dP = dO V^T) in the forward, dQ and dK/dV alike."""
     case = Case(batch=1, heads_q=2, heads_kv=1, len_q=300, len_k=330, lse_grad=True)
     inputs = program_inputs(case, masks.mask_function(_seen_but_in_tiles_1), dtype, rotation, generator)
+    variants = reading_through(reads, monkeypatch)
+    if reads == "descriptors":
+        inputs = in_descriptor_layouts(inputs, rotation)
     states = inputs.program.tiles[0, 0]
     assert (states[1] == masks.EMPTY).all() and (states[:, 1] == masks.EMPTY).all()
     expected = testing.reference_for(inputs, torch.float64), testing.reference_for(inputs, dtype)
@@ -1008,6 +1037,8 @@ def test_program_empty_tiles_are_never_read(dtype, rotation, tiles, generator):
         results = run_backend(inputs)
     testing.assert_close_to_reference(results, *expected, dtype)
     assert (results.grad_key[:, :, tile_1] == 0).all() and (results.grad_value[:, :, tile_1] == 0).all()
+    if reads == "descriptors":
+        assert variants == {"fwd": [True], "bwd_dkdv": [True], "bwd_dq": [True]}
 
 
 def test_public_attention_takes_a_program(generator):
@@ -1104,19 +1135,26 @@ def _small(dtype=torch.float32, device=DEVICE):
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("rotation", [0, 1])  # small tiles, then the default ones
 @pytest.mark.parametrize("path", ["long_query", "decode"])
-def test_padded_keys_are_never_read(path, rotation, poison, generator, monkeypatch):
+@pytest.mark.parametrize("reads", ["pointers", pytest.param("descriptors", marks=needs_descriptors)])
+def test_padded_keys_are_never_read(reads, path, rotation, poison, generator, monkeypatch):
     """No padded key is read, not even in the key block holding a span's first or last key: NaN or inf
     in K and V before and after each row's span (which starts and ends mid-block) change nothing in the
-    forward (long-query or decode kernels, three splits), dK/dV or dQ."""
+    forward (long-query or decode kernels, three splits), dK/dV or dQ. Through tensor descriptors too, which load
+    whole blocks of rows, padding included, and zero the padded ones after the load."""
     from fused_attn.backends import triton_decode
 
     monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
     len_q, len_k = (19, 60) if path == "long_query" else (3, 200)
     assert triton_decode.takes(torch.empty(1, 2, len_q, 16), torch.empty(1, 1, len_k, 16),
                                torch.empty(1, 1, len_k, 16), None) == (path == "decode")
+    variants = reading_through(reads, monkeypatch)
+    laid_out = functools.partial(in_descriptor_layouts, rotation=rotation) if reads == "descriptors" else None
     with tk.forced_configs(**_tiles(rotation)):
         testing.check_padding_is_not_read(BACKEND, torch.float32, generator, device=DEVICE, poison=poison,
-                                          len_q=len_q, len_k=len_k)
+                                          len_q=len_q, len_k=len_k, laid_out=laid_out)
+    if reads == "descriptors":
+        forward = "decode" if path == "decode" else "fwd"
+        assert variants == {forward: [True], "bwd_dkdv": [True], "bwd_dq": [True]}
 
 
 def test_padding_spans():
@@ -1319,9 +1357,6 @@ def test_default_configs_fit_their_generation(kernel):
 # call's layouts allow it
 # ---------------------------------------------------------------------------------------------------
 
-# The tests that need the variant offered by the installed Triton (triton_compat.DESCRIPTORS_FROM).
-needs_descriptors = pytest.mark.skipif(triton_compat.tensor_descriptors() is not None,
-                                       reason=str(triton_compat.tensor_descriptors()))
 # Layouts a descriptor reads: unit stride along D, the other strides multiples of 16 bytes when D's are.
 DESCRIPTOR_LAYOUTS = ("contiguous", "heads_inner", "seq_first")
 # Every case of the pointer kernels' tests (plain, score variants, sinks, mask programs; the decode cases too, with
@@ -1333,17 +1368,21 @@ DESCRIPTOR_RUNS = [pytest.param(name, dtype, index % len(DESCRIPTOR_LAYOUTS), id
                    for index, name in enumerate(DESCRIPTOR_CASES) for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)]
 
 
-def descriptor_inputs(case: Case, dtype, rotation: int, generator) -> testing.Inputs:
-    """`make_inputs`, then q, k and v in three different DESCRIPTOR_LAYOUTS, the NaN-poisoned output in the
-    first of them and grad_out in the second (masks and the rest as drawn; the gradients are laid out as their
-    inputs)."""
-    inputs = make_inputs(case, dtype, rotation, generator)
+def in_descriptor_layouts(inputs: testing.Inputs, rotation: int) -> testing.Inputs:
+    """The inputs with q, k and v in three different DESCRIPTOR_LAYOUTS (rotated by `rotation`), the NaN-poisoned
+    output in the first of them and grad_out in the second (masks and the rest as they were; the gradients are laid
+    out as their inputs)."""
     layouts = [DESCRIPTOR_LAYOUTS[(rotation + i) % len(DESCRIPTOR_LAYOUTS)] for i in range(3)]
     query, key, value = (testing.strided(getattr(inputs, name), layout)
                          for name, layout in zip(("query", "key", "value"), layouts))
-    out = testing.poisoned_output(query, case.value_dim, layouts[0])
+    out = testing.poisoned_output(query, inputs.case.value_dim, layouts[0])
     grad_out = testing.strided(inputs.grad_out, layouts[1])
     return dataclasses.replace(inputs, query=query, key=key, value=value, out=out, grad_out=grad_out)
+
+
+def descriptor_inputs(case: Case, dtype, rotation: int, generator) -> testing.Inputs:
+    """`make_inputs` `in_descriptor_layouts`."""
+    return in_descriptor_layouts(make_inputs(case, dtype, rotation, generator), rotation)
 
 
 def forward_tensors(inputs: testing.Inputs) -> dict:
@@ -1371,12 +1410,54 @@ class _Recording:
         return launch
 
 
-def _recording_variants(monkeypatch) -> dict:
-    """Records the DESCRIPTORS constexpr of every launch of the kernels that have the variant, by kernel."""
+def _recording_variants(monkeypatch, constexpr="DESCRIPTORS", decode=False) -> dict:
+    """Records `constexpr` of every launch of the kernels that have the variants, by kernel: the long-query ones and,
+    with `decode`, the split-KV decode kernel (as "decode")."""
+    from fused_attn.backends import triton_decode
+
+    # Launches at the default or forced configs: on a GPU an autotuner would launch the kernel it wrapped when it was
+    # first built (it is cached), through its own `run`, never the recording.
+    monkeypatch.setenv("FUSED_ATTN_TRITON_AUTOTUNE", "0")
     variants = {}
     for name in tk.DESCRIPTOR_KERNELS:
-        monkeypatch.setitem(tk.KERNELS, name, _Recording(name, tk.KERNELS[name], variants))
+        monkeypatch.setitem(tk.KERNELS, name, _Recording(name, tk.KERNELS[name], variants, constexpr))
+    if decode:
+        monkeypatch.setattr(triton_decode, "_attn_decode",
+                            _Recording("decode", triton_decode._attn_decode, variants, constexpr))
     return variants
+
+
+class _NoKernel:
+    """A kernel whose launches do nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("kernel", [*tk.DESCRIPTOR_KERNELS, "decode"])
+def test_recorded_kernels_launch_without_an_autotuner_on_a_gpu(kernel, monkeypatch):
+    """What the recording tests see on a GPU, whose launches this one makes for a CUDA tensor (of a kernel that does
+    nothing): the recorded kernel launched with the descriptor variant FUSED_ATTN_TRITON_DESCRIPTORS=1 forces, not
+    through an autotuner."""
+    from fused_attn.backends import triton_decode
+
+    monkeypatch.setattr(tk, "interpreting", lambda: False)
+    monkeypatch.setattr(tk, "_device_limits", lambda index: ((9, 0), 227 * 1024))
+
+    def autotuned(*args, **kwargs):
+        pytest.fail("launched through an autotuner")
+    monkeypatch.setattr(tk, "_autotuned", autotuned)
+    monkeypatch.setattr(triton_decode, "_autotuned_decode", autotuned)
+    monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "1")
+    if kernel == "decode":
+        monkeypatch.setattr(triton_decode, "_attn_decode", _NoKernel())
+        variants = _recording_variants(monkeypatch, decode=True)
+        triton_decode._launch_decode((1,), (), {}, _FakeCudaTensor.device, descriptors=True)
+    else:
+        monkeypatch.setitem(tk.KERNELS, kernel, _NoKernel())
+        variants = _recording_variants(monkeypatch)
+        tk._launch(kernel, lambda m, n: 1, (), dict(BLOCK_DQK=64, BLOCK_DV=64), _FakeCudaTensor(), descriptors=True)
+    assert variants == {kernel: [True]}
 
 
 def _descriptor_tiles(case: Case, dtype, rotation: int) -> dict:
@@ -1420,9 +1501,7 @@ def test_warp_specialized_kernels_match_reference(name, dtype, generator, monkey
     case = CASES[name]
     inputs = descriptor_inputs(case, dtype, 0, generator)
     assert not tk.descriptor_refusals(forward_tensors(inputs)) and not tk.descriptor_refusals(backward_tensors(inputs))
-    launched = {}
-    for kernel in tk.WARP_SPECIALIZED_KERNELS:
-        monkeypatch.setitem(tk.KERNELS, kernel, _Recording(kernel, tk.KERNELS[kernel], launched, "WARP_SPECIALIZE"))
+    launched = _recording_variants(monkeypatch, "WARP_SPECIALIZE")
     forced = {kernel: dataclasses.replace(config, descriptors=True, warp_specialize=True)
               for kernel, config in SMALL_TILES.items()}
     with tk.forced_configs(**forced):
@@ -1431,23 +1510,63 @@ def test_warp_specialized_kernels_match_reference(name, dtype, generator, monkey
     testing.check_inputs(results, inputs)
 
 
+# The decode cases the warp-specialized decode is offered for (triton_kernels.warp_specializable: no softcap, ALiBi,
+# key padding or mask), and a causal one over a window.
+WARP_SPECIALIZED_DECODE_CASES = {
+    **{name: case for name, case in DECODE_CASES.items()
+       if not (case.softcap or case.alibi or case.key_padding or case.mask)},
+    "few_queries_causal_window_gqa": Case(len_q=4, len_k=600, heads_q=8, heads_kv=2, batch=1, is_causal=True,
+                                          causal_alignment="bottom_right", window=(300, 0)),
+}
+DECODE_DESCRIPTOR_RUNS = [*(pytest.param(name, "descriptors", id=f"{name}-descriptors") for name in DECODE_CASES),
+                          *(pytest.param(name, "warp_specialized", id=f"{name}-warp_specialized")
+                            for name in WARP_SPECIALIZED_DECODE_CASES)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", list(DECODE_CASES))
-def test_descriptor_decode_matches_reference(name, dtype, generator, monkeypatch):
-    """The split-KV decode kernel reads a dense cache's K and V through descriptors wherever `descriptor_refusals`
-    finds nothing for them (three splits, so that a block reads keys of the next split), by the same criterion."""
+@pytest.mark.parametrize("name,variant", DECODE_DESCRIPTOR_RUNS)
+def test_descriptor_decode_matches_reference(name, variant, dtype, generator, monkeypatch):
+    """The split-KV decode kernel reads a dense cache's K and V and writes each split's output through descriptors
+    wherever `descriptor_refusals` finds nothing for them (three splits, so that a block reads keys of the next
+    split), as FUSED_ATTN_TRITON_DESCRIPTORS=1 runs it, and forced with its key loop warp-specialized (which the
+    interpreter runs as written), by the same criterion, with the variant's constexprs in every launch."""
     from fused_attn.backends import triton_decode
 
     monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "1")
     monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
-    inputs = descriptor_inputs(DECODE_CASES[name], dtype, 1, generator)
+    inputs = descriptor_inputs({**DECODE_CASES, **WARP_SPECIALIZED_DECODE_CASES}[name], dtype, 1, generator)
     assert triton_decode.takes(inputs.query, inputs.key, inputs.value, None)
     refusals = tk.descriptor_refusals(dict(key=inputs.key, value=inputs.value))
-    variants = {}
-    monkeypatch.setattr(triton_decode, "_attn_decode", _Recording("decode", triton_decode._attn_decode, variants))
-    results = run_backend(inputs)
-    assert variants["decode"] == [not refusals], refusals
+    descriptors = _recording_variants(monkeypatch, decode=True)
+    specialized = _recording_variants(monkeypatch, "WARP_SPECIALIZE", decode=True)
+    with triton_decode.forced_variant(variant) if variant != "descriptors" else contextlib.nullcontext():
+        results = run_backend(inputs)
+    assert descriptors["decode"] == [not refusals], refusals
+    assert specialized["decode"] == [not refusals and variant == "warp_specialized"], refusals
     testing.check_inputs(results, inputs)
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_decode_autotune_offers_its_variants(mode, monkeypatch):
+    """On sm_90 the decode kernel is tuned between pointers (not with FUSED_ATTN_TRITON_DESCRIPTORS=1), descriptors
+    and, where Triton has it, descriptors with the key loop warp-specialized, offered as the forward's is: without
+    score variants, padding or masks, and where its shared memory fits the device."""
+    from fused_attn.backends import triton_decode
+
+    monkeypatch.setattr(tk, "_device_limits", lambda index: ((9, 0), 227 * 1024))
+    tuner = triton_decode._autotuned_decode(mode == "1")
+    constexprs = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_DQK=128, BLOCK_DV=128)
+
+    def offered(**features):
+        configs = tuner.early_config_prune(tuner.configs, {"Q": _FakeCudaTensor()}, **constexprs, **features)
+        return [name for name, switches in triton_decode.VARIANTS.items() if any(c.kwargs == switches for c in configs)]
+
+    assert offered() == ["pointers"] * (mode == "auto") + ["descriptors"] + \
+        ["warp_specialized"] * triton_compat.warp_specialization()
+    for feature in dict(SOFTCAP=True), dict(HAS_ALIBI=True), dict(HAS_KPM=True), dict(MASK_KIND=1):
+        assert "warp_specialized" not in offered(**feature), feature
+    monkeypatch.setattr(tk, "_device_limits", lambda index: ((12, 0), 99 * 1024))  # its four stages do not fit
+    assert "warp_specialized" not in offered()
 
 
 @needs_descriptors
@@ -1547,22 +1666,97 @@ def test_autotune_offers_the_descriptor_variant_beside_pointers(kernel, mode, mo
     assert not any(c.kwargs.get("WARP_SPECIALIZE") for c in scored)
 
 
-@needs_descriptors
-@pytest.mark.parametrize("capability, varlen, expected", [
-    ((9, 0), False, "also tries Q, K, V and O through tensor descriptors (TMA), its backward Q, K, V, dO, dQ, dK"),
-    ((10, 0), False, "also tries Q, K, V and O through tensor descriptors (TMA), its backward Q, K, V, dO, dQ, dK"),
-    ((8, 0), False, "forward and backward read through pointers only: tensor descriptors (TMA) need compute "
-                    "capability 9.0 or newer, got 8.0"),
-    ((9, 0), True, "forward and backward read through pointers only: a packed batch"),
-])
-def test_registry_notes_say_whether_the_kernels_take_descriptors(capability, varlen, expected, monkeypatch):
+POINTERS_ONLY = "its kernels read through pointers only (no tensor-descriptor or warp-specialized variant): "
+FORWARD_DESCRIPTORS = "its forward also tries Q, K, V and O through tensor descriptors (TMA), its backward Q, K, V, dO"
+
+
+def gpu_problem(**fields):
+    """A call on CUDA tensors (fp16, B=1, H=2, L=64, D=64, nothing else) with `fields` changed."""
     from fused_attn.problem import Problem
 
-    monkeypatch.setattr(tk, "interpreting", lambda: False)
-    monkeypatch.setattr(tk, "_device_limits", lambda index: (capability, 227 * 1024))
-    problem = Problem(torch.device("cuda", 0), torch.float16, 1, 2, 2, 64, 64, 64, 64, False, 0.0, None, False, False,
-                      varlen=varlen)
-    assert any(expected in note for note in BACKEND.notes(problem)), BACKEND.notes(problem)
+    return Problem(torch.device("cuda", 0), torch.float16, 1, 2, 2, 64, 64, 64, 64, False, 0.0, None, False,
+                   False)._replace(**fields)
+
+
+@pytest.fixture
+def gpu_of_capability(monkeypatch):
+    """Makes the triton backend see a GPU of the capability given to the returned function."""
+    def set_capability(capability):
+        monkeypatch.setattr(tk, "interpreting", lambda: False)
+        monkeypatch.setattr(tk, "_device_limits", lambda index: (capability, 227 * 1024))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    return set_capability
+
+
+@needs_descriptors
+@pytest.mark.parametrize("capability, fields, expected", [
+    ((9, 0), {}, FORWARD_DESCRIPTORS),
+    ((10, 0), {}, FORWARD_DESCRIPTORS),
+    ((9, 0), dict(len_q=1), "its forward's split-KV decode kernel also tries K and V through tensor descriptors (TMA)"),
+    ((9, 0), dict(len_q=1, dropout_p=0.1), FORWARD_DESCRIPTORS),  # dropout: the long-query forward
+    ((8, 0), {}, POINTERS_ONLY + "tensor descriptors (TMA) need compute capability 9.0 or newer, got 8.0"),
+    ((9, 0), dict(varlen=True), POINTERS_ONLY + "a packed batch"),
+    # A paged cache of the query's dtype (no cache_dtype) as well as an 8-bit one.
+    ((9, 0), dict(paged=True), POINTERS_ONLY + "a paged cache"),
+    ((9, 0), dict(paged=True, len_q=1, cache_dtype=torch.int8), POINTERS_ONLY + "a paged cache"),
+])
+def test_registry_notes_say_whether_the_kernels_take_descriptors(capability, fields, expected, gpu_of_capability):
+    gpu_of_capability(capability)
+    problem = gpu_problem(**fields)
+    verdict = registry.explain(problem)["triton"]
+    assert verdict.startswith("can run it") and expected in verdict, verdict
+
+
+@needs_descriptors
+def test_registry_notes_say_where_descriptors_are_turned_off(gpu_of_capability, monkeypatch):
+    gpu_of_capability((9, 0))
+    monkeypatch.setenv(tk.DESCRIPTORS_VARIABLE, "0")
+    assert POINTERS_ONLY + f"{tk.DESCRIPTORS_VARIABLE}=0" in BACKEND.notes(gpu_problem())
+
+
+OFFERED = "warp-specialized forms of its {} descriptor variants too, where the device's shared memory fits them"
+NOT_OFFERED = "no warp-specialized form of its {} descriptor variants: {}: its builds spilled registers"
+
+
+@needs_descriptors
+@pytest.mark.skipif(not triton_compat.warp_specialization(), reason=str(triton_compat.warp_specialization_missing()))
+@pytest.mark.parametrize("fields, expected", [
+    ({}, [OFFERED.format("forward's and backward's")]),
+    (dict(is_causal=True, dropout_p=0.2, score_features=("window",)), [OFFERED.format("forward's and backward's")]),
+    (dict(len_q=1), [OFFERED.format("forward's and backward's")]),  # the decode kernel's too
+    (dict(score_features=("softcap", "alibi"), has_key_padding_mask=True),
+     [NOT_OFFERED.format("forward's and backward's", "softcap, ALiBi slopes, key padding")]),
+    (dict(mask_dtype=torch.bool), [NOT_OFFERED.format("forward's and backward's", "an attn_mask")]),
+    # The sinks reach the long-query forward alone: the backward takes them through the lse, the decode kernel
+    # through its combine.
+    (dict(score_features=("sinks",)),
+     [NOT_OFFERED.format("forward's", "attention sinks"), OFFERED.format("backward's")]),
+    (dict(score_features=("sinks",), len_q=1), [OFFERED.format("forward's and backward's")]),
+    (dict(score_features=("sinks", "mask_program")),
+     [NOT_OFFERED.format("forward's", "attention sinks, a mask program"),
+      NOT_OFFERED.format("backward's", "a mask program")]),
+])
+def test_registry_notes_say_whether_warp_specialized_variants_are_offered(fields, expected, gpu_of_capability):
+    gpu_of_capability((9, 0))
+    notes = BACKEND.notes(gpu_problem(**fields))
+    assert all(any(text in note for note in notes) for text in expected), notes
+    assert len([note for note in notes if "warp-specialized" in note]) == len(expected), notes
+
+
+@needs_descriptors
+def test_registry_notes_name_the_triton_without_warp_specialization(gpu_of_capability, monkeypatch):
+    gpu_of_capability((9, 0))
+    monkeypatch.setattr(triton_compat, "release", lambda: (3, 8))
+    notes = BACKEND.notes(gpu_problem())
+    assert any(note.startswith("no warp-specialized form of its forward's and backward's descriptor variants: "
+                               "triton 3.8") for note in notes), notes
+
+
+def test_registry_notes_name_every_feature_that_keeps_warp_specialization_out():
+    from fused_attn.backends import triton as triton_backend
+
+    assert set(triton_backend._WARP_SPECIALIZATION_BLOCKERS) == set(tk.NOT_WARP_SPECIALIZED)
 
 
 def test_a_descriptor_variant_triton_cannot_build_falls_back_to_pointers(monkeypatch, generator):

@@ -8,10 +8,11 @@ and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decod
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
 sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for the decode kernel's 16-row tiles), and shared memory fits
-the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's, dK/dV's and
-dQ's plain and warp-specialized and the decode kernel's, are compiled for sm_90 and sm_100
-too, and their SASS must hold TMA loads (UTMALDG), which no pointer kernel has. The rows are the triton rows of
-`python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of conftest.py; 692
+the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's, dK/dV's,
+dQ's and the decode kernel's, plain and warp-specialized, are compiled for sm_90 and sm_100
+too, and their SASS must hold TMA loads (UTMALDG) and stores (UTMASTG), which no pointer kernel has. The rows are the
+triton rows of `python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of
+conftest.py; 708
 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 
@@ -39,10 +40,15 @@ COMBINATIONS = [
     for kernel in triton_report.kernels(target)
     for variant in triton_report.variants(kernel)
 ]
-KEYS = {"backend", "kernel", "target", "dtype", "head_dim", "causal", "dropout", "bias_grad", "scores", "config",
-        "tma_instructions", "global_scratch_bytes", "warp_specialized", "launch_warps",
+KEYS = {"backend", "kernel", "target", "cubin_arch", "dtype", "head_dim", "causal", "dropout", "bias_grad", "scores",
+        "config", "tma_instructions", "global_scratch_bytes", "warp_specialized", "launch_warps",
         "registers",
         "spill_bytes", "stack_bytes", "shared_bytes", "tensor_core_instructions", "fits", "problems"}
+
+
+# What Triton builds for each target, as a device of that capability would: from 9.0 on the architecture-specific
+# variant, without which wgmma (HGMMA) and tcgen05.mma (UTCHMMA) do not exist.
+BUILT_FOR = {"sm_80": "sm_80", "sm_90": "sm_90a", "sm_100": "sm_100a"}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,7 @@ def test_default_config_compiles_within_the_device(rows, combination):
     kernel, target = combination[:2]
     row = rows[combination]
     assert row["problems"] == [] and row["fits"], row["problems"]
+    assert row["cubin_arch"] == BUILT_FOR[target]  # read from the cubin's SASS
     assert row["registers"] > 0  # a real function was read from the cubin
     assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0
     assert 0 < row["shared_bytes"] <= gpu_binaries.SHARED_MEMORY_LIMIT[target]
@@ -76,8 +83,9 @@ def test_default_config_compiles_within_the_device(rows, combination):
         assert triton_report.tensor_core_prefix(kernel, target) in mnemonics, row["tensor_core_instructions"]
     else:
         assert not mnemonics  # the preprocess is a reduction: no products
-    if kernel in triton_report.DESCRIPTOR_VARIANTS:  # Q, K, V through TMA; the pointer kernels have none
+    if kernel in triton_report.DESCRIPTOR_VARIANTS:  # loads and stores through TMA; the pointer kernels have none
         assert row["tma_instructions"].get("UTMALDG", 0) > 0, row["tma_instructions"]
+        assert row["tma_instructions"].get("UTMASTG", 0) > 0, row["tma_instructions"]
     else:
         assert not row["tma_instructions"], row["tma_instructions"]
 
@@ -86,7 +94,8 @@ def test_inspection_flags_spills_and_missing_tensor_cores(tmp_path, monkeypatch)
     """The verdict is derived from the SASS and resource usage, so it can fail: feed it a cubin
     description with local memory traffic and no HMMA."""
     usage = " Function k:\n  REG:40 STACK:16 SHARED:0 LOCAL:8 CONSTANT[0]:400\n"
-    sass = ("        /*0000*/                   LDL.64 R2, [R1] ;\n"
+    sass = ("\tcode for sm_90a\n"
+            "        /*0000*/                   LDL.64 R2, [R1] ;\n"
             "        /*0010*/                   FFMA R3, R2, R2, R3 ;\n"
             "        /*0020*/                   STL [R1], R3 ;\n")
 
@@ -100,28 +109,36 @@ def test_inspection_flags_spills_and_missing_tensor_cores(tmp_path, monkeypatch)
     monkeypatch.setattr(triton_report.subprocess, "run", fake_run)
     row = triton_report._inspect(tmp_path / "k.cubin", {"shared": 200 * 1024}, "sm_80", True)
     assert row["spill_bytes"] == 8 and row["stack_bytes"] == 16 and row["registers"] == 40
+    assert row["cubin_arch"] == "sm_90a"
     text = " | ".join(row["problems"])
     assert "register spills: 2 local loads/stores" in text
     assert "stack frame of 16 bytes" in text
     assert "no HMMA instructions" in text
     assert "shared memory" in text
+    assert "the cubin is built for sm_90a, not sm_80" in text
 
 
 def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
-    """The autotuner prunes candidates by `shared_memory_estimate`; it must not undercount."""
+    """The autotuner prunes candidates by `shared_memory_estimate`; it must not undercount. The decode kernel's
+    fixed config counts as the forward's (`triton_decode.shared_memory_config`)."""
+    from fused_attn.backends import triton_decode
     from fused_attn.backends import triton_kernels as tk
 
     for (kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores), row in rows.items():
         base = triton_report.base_kernel(kernel)
-        if kernel not in triton_report.MATMUL_KERNELS or base not in tk.KERNELS:  # decode: a fixed config
+        if kernel not in triton_report.MATMUL_KERNELS:
             continue
         # The launch's own constexprs: the tiles can depend on any feature (sm_100's on the score variants too).
         _, _, features, _, _ = triton_report._representative_call(kernel, dtype, head_dim, causal, dropout, bias_grad,
                                                                   scores, target)
-        config = tk.default_config(base, triton_report.config_arch(target), head_dim, 2, features)
-        if kernel in triton_report.DESCRIPTOR_VARIANTS:
-            config = dataclasses.replace(config, **triton_report.DESCRIPTOR_VARIANTS[kernel][1])
-        assert str(config) == row["config"]
+        if base == "decode":  # its fixed config, whose text names no variant
+            base, config = "fwd", triton_decode.shared_memory_config(features)
+            assert str(dataclasses.replace(config, descriptors=False, warp_specialize=False)) == row["config"]
+        else:
+            config = tk.default_config(base, triton_report.config_arch(target), head_dim, 2, features)
+            if kernel in triton_report.DESCRIPTOR_VARIANTS:
+                config = dataclasses.replace(config, **triton_report.DESCRIPTOR_VARIANTS[kernel][1])
+            assert str(config) == row["config"]
         estimate = tk.shared_memory_estimate(base, config, head_dim, head_dim, 2, dropout)
         assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,
                                                  scores)

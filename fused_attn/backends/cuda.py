@@ -7,7 +7,9 @@ when the `triton` backend cannot run the call (it comes after it in the registry
 It reaches the kernels through the ops `torch.ops.fused_attn.flash_forward` / `flash_backward`,
 whose CUDA implementation csrc/cuda/flash_cuda.cu registers. fp16 and bf16 products run on tensor
 cores with fp32 accumulation; fp32 runs exactly on CUDA cores (no TF32), whatever
-`torch.backends.cuda.matmul.allow_tf32` says. Needs compute capability 8.0 or newer. Dropout draws
+`torch.backends.cuda.matmul.allow_tf32` says. Needs compute capability 8.0 or newer, and a device the extension was
+built for (`built_architectures`: setup.py's TORCH_CUDA_ARCH_LIST, by default cubins for 8.0, 8.6, 9.0, 10.0 and
+12.0 and PTX that the driver compiles for later devices). Dropout draws
 csrc/dropout.h's stream, the same elements as every other backend; the backward also gives the
 gradient of a learned additive mask.
 
@@ -38,8 +40,11 @@ gathered for the ordinary forward (Backend.forward_paged), which takes it.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
+from .. import _extension
 from ..problem import Problem
 from ..scores import FEATURES, PLAIN
 from . import packed
@@ -51,6 +56,26 @@ MAX_GRID_DIM = 65535  # heads and batch index the y and z dimensions of the grid
 def has_cuda_kernels() -> bool:
     """Whether fused_attn._C registered its CUDA kernels (it does when built by a CUDA torch + nvcc)."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("fused_attn::flash_forward", "CUDA")
+
+
+def built_architectures() -> tuple[str, ...]:
+    """What nvcc built fused_attn._C's CUDA kernels for, as setup.py recorded it: "sm_XY" cubins and "compute_XY"
+    PTX; empty for an extension without CUDA kernels (or built before it recorded them)."""
+    recorded = getattr(_extension._C, "cuda_architectures", "")
+    return tuple(name.strip() for name in recorded.split(",") if name.strip())
+
+
+def runs_on(architecture: str, capability: tuple[int, int]) -> bool:
+    """Whether code built for `architecture` ("sm_86", "sm_90a", "compute_120") runs on a device of `capability`, by
+    CUDA's compatibility rules: a cubin sm_XY on X.Z for every Z >= Y (an architecture-specific sm_XYa on X.Y alone);
+    PTX compute_XY, compiled by the driver, on X.Y and every later capability."""
+    kind, major, minor, specific = re.fullmatch(r"(sm|compute)_(\d+)(\d)(a?)", architecture).groups()
+    built = (int(major), int(minor))
+    if specific:
+        return tuple(capability) == built
+    if kind == "sm":
+        return capability[0] == built[0] and capability[1] >= built[1]
+    return tuple(capability) >= built
 
 
 class CudaBackend(ExtensionBackend):
@@ -77,8 +102,13 @@ class CudaBackend(ExtensionBackend):
         reasons = super().device_refusals(problem)
         if not reasons:
             capability = torch.cuda.get_device_capability(problem.device)
+            name = f"{capability[0]}.{capability[1]}"
+            built = built_architectures()
             if capability < (8, 0):
-                reasons.append(f"needs compute capability 8.0 or newer, got {capability[0]}.{capability[1]}")
+                reasons.append(f"needs compute capability 8.0 or newer, got {name}")
+            elif built and not any(runs_on(architecture, capability) for architecture in built):
+                reasons.append(f"fused_attn._C has no kernel image for compute capability {name}: it was built for "
+                               f"{', '.join(built)} (TORCH_CUDA_ARCH_LIST at install; reinstall with {name} in it)")
         return reasons
 
     def refusals(self, problem: Problem) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 
 from .. import quantization
 from ..problem import Problem
-from ..scores import FEATURES, PLAIN
+from ..scores import FEATURES, PLAIN, ScoreVariant
 from . import packed, triton_compat
 from .base import Backend
 
@@ -72,6 +72,62 @@ def _check_scales(query, k_blocks, v_blocks, k_scale, v_scale) -> None:
                              f"{tuple(getattr(scales, 'shape', ()))}")
 
 
+# What of a call keeps the warp-specialized variants out, by the constexpr of triton_kernels.NOT_WARP_SPECIALIZED
+# that it sets.
+_WARP_SPECIALIZATION_BLOCKERS = {
+    "SOFTCAP": ("softcap", lambda problem: "softcap" in problem.score_features),
+    "HAS_ALIBI": ("ALiBi slopes", lambda problem: "alibi" in problem.score_features),
+    "HAS_KPM": ("key padding", lambda problem: problem.has_key_padding_mask),
+    "HAS_SINKS": ("attention sinks", lambda problem: "sinks" in problem.score_features),
+    "HAS_PROGRAM": ("a mask program", lambda problem: "mask_program" in problem.score_features),
+    "PAGED": ("a paged cache", lambda problem: problem.paged),
+    "MASK_KIND": ("an attn_mask", lambda problem: problem.mask_dtype is not None),
+}
+
+
+# Of those, what the long-query forward alone takes: the backward's kernels read the sinks through the lse, the
+# split-KV decode kernel through its combine.
+_LONG_QUERY_FORWARD_ONLY = ("HAS_SINKS",)
+
+
+def _not_warp_specialized(problem: Problem, long_query_forward: bool) -> str | None:
+    """Why the autotuner offers a kernel of `problem` (the long-query forward, or another) no warp-specialized
+    variant, or None: the installed Triton, or what of the call its builds spilled registers with or were not
+    compiled with (`triton_kernels.warp_specializable`)."""
+    if (missing := triton_compat.warp_specialization_missing()) is not None:
+        return missing
+    found = [name for constexpr, (name, applies) in _WARP_SPECIALIZATION_BLOCKERS.items()
+             if applies(problem) and (long_query_forward or constexpr not in _LONG_QUERY_FORWARD_ONLY)]
+    if found:
+        return f"{', '.join(found)}: its builds spilled registers with them or were not compiled with them"
+    return None
+
+
+def _warp_specialization_note(kernels: str, kept_out: str | None) -> str:
+    if kept_out is not None:
+        return f"no warp-specialized form of {kernels} descriptor variants: {kept_out}"
+    return f"warp-specialized forms of {kernels} descriptor variants too, where the device's shared memory fits them"
+
+
+def _runs_decode(problem: Problem) -> bool:
+    """Whether the call's forward runs the split-KV decode kernels: `triton_decode.takes`, asked about tensors of
+    the call's shapes that hold no data."""
+    from . import triton_decode
+
+    if problem.varlen:  # a packed batch runs the long-query kernels
+        return False
+
+    def shaped(heads, length, dim):
+        return torch.empty(problem.batch, heads, length, dim, device="meta")
+
+    program = ScoreVariant(block_tiles=torch.empty(0, device="meta")) if "mask_program" in problem.score_features \
+        else PLAIN
+    dropout = problem.dropout_p if problem.dropout_p > 0.0 else None  # `takes` asks only whether there is one
+    return triton_decode.takes(shaped(problem.heads_q, problem.len_q, problem.head_dim_qk),
+                               shaped(problem.heads_kv, problem.len_k, problem.head_dim_qk),
+                               shaped(problem.heads_kv, problem.len_k, problem.head_dim_v), dropout, variant=program)
+
+
 class TritonBackend(Backend):
     name = "triton"
     devices = ("cuda",)
@@ -110,9 +166,10 @@ class TritonBackend(Backend):
         return []
 
     def notes(self, problem: Problem) -> list[str]:
-        """Also, on a GPU, whether the tensor-descriptor (TMA) variants of the forward and the backward's kernels are
-        among the autotuner's candidates for calls like this one, or why not (a call's own layouts may still keep
-        them out: `triton_kernels.descriptor_refusals`)."""
+        """Also, on a GPU, whether the tensor-descriptor (TMA) variants of the kernels that run the call (the forward or
+        the split-KV decode kernel, the backward's dK/dV and dQ) are among the autotuner's candidates, and their
+        warp-specialized forms, or why not (a call's own layouts may still keep them out:
+        `triton_kernels.descriptor_refusals`)."""
         notes = super().notes(problem)
         if problem.device.type != "cuda":
             return notes
@@ -120,15 +177,25 @@ class TritonBackend(Backend):
         reason = kernels.descriptors_unavailable(problem.device)
         if reason is None and problem.varlen:
             reason = kernels.PACKED_REFUSAL
-        if reason is None and problem.cache_dtype is not None:
+        if reason is None and problem.paged:
             reason = kernels.PAGED_REFUSAL
         if reason is None and kernels.descriptor_mode() == "off":
             reason = f"{kernels.DESCRIPTORS_VARIABLE}=0"
-        if reason is None:
-            notes.append("its forward also tries Q, K, V and O through tensor descriptors (TMA), its backward Q, K, V, "
-                         "dO, dQ, dK and dV, where the layouts allow")
+        if reason is not None:
+            notes.append(f"its kernels read through pointers only (no tensor-descriptor or warp-specialized variant): "
+                         f"{reason}")
+            return notes
+        decode = _runs_decode(problem)
+        forward = "its forward's split-KV decode kernel also tries K and V" if decode else \
+            "its forward also tries Q, K, V and O"
+        notes.append(f"{forward} through tensor descriptors (TMA), its backward Q, K, V, dO, dQ, dK and dV, where the "
+                     "layouts allow")
+        forward, backward = _not_warp_specialized(problem, not decode), _not_warp_specialized(problem, False)
+        if forward == backward:
+            notes.append(_warp_specialization_note("its forward's and backward's", forward))
         else:
-            notes.append(f"its forward and backward read through pointers only: {reason}")
+            notes += [_warp_specialization_note("its forward's", forward),
+                      _warp_specialization_note("its backward's", backward)]
         return notes
 
     def forward(self, query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, dropout=None,

@@ -83,8 +83,13 @@ def specializer():
 # (bench/triton_report.py): 3.7.1 and 3.9.0 do; on 3.5.1 the sm_90 build at D = 64 with the score variants and key
 # padding spilled (6 local loads/stores); 3.6 has not been compiled. The backward's dK/dV and dQ variants hold the
 # same line: 3.7.1, 3.8.0 and 3.9.0 compile every row without spills; on sm_100, 3.6.0 spilled two of them (2 and 36
-# local loads/stores) and 3.5.1 three (3 to 20). The decode kernel's compiles without spills on all five.
+# local loads/stores) and 3.5.1 three (3 to 20). The decode kernel's compiled without spills on all five; with its
+# splits' outputs written through descriptors too, on 3.7.1, 3.8.0 and 3.9.0 (3.5 and 3.6 not compiled since).
 DESCRIPTORS_FROM = (3, 7)
+
+
+def _installed_name(found: tuple[int, int] | None) -> str:
+    return f"triton {found[0]}.{found[1]}" if found else "the installed triton"
 
 
 def tensor_descriptors() -> str | None:
@@ -93,7 +98,7 @@ def tensor_descriptors() -> str | None:
     import triton.language as tl
 
     found = release()
-    name = f"triton {found[0]}.{found[1]}" if found else "the installed triton"
+    name = _installed_name(found)
     if not hasattr(tl, "make_tensor_descriptor"):
         return f"{name} has no tl.make_tensor_descriptor"
     if found is not None and found < DESCRIPTORS_FROM:
@@ -104,18 +109,31 @@ def tensor_descriptors() -> str | None:
 
 # The oldest release whose warp-specialized forward compiles without spills for every launch it is offered for
 # (bench/triton_report.py): 3.9.0. On 3.7.1 the causal one spilled on sm_100 (7 to 9 local loads/stores);
-# 3.8 has not been compiled. The warp-specialized backward (dK/dV and dQ) has been compiled on 3.9.0 only.
+# 3.8 has not been compiled. The warp-specialized backward (dK/dV and dQ) has been compiled on 3.9.0 only. The
+# warp-specialized decode kernel compiles on 3.9.0; on 3.7.1 and 3.8.0 its sm_100 builds failed in Triton's
+# automatic warp specialization (an assertion of the NVWSInsertAref pass).
 WARP_SPECIALIZED_FROM = (3, 9)
 
 
-def warp_specialization() -> bool:
-    """Whether the warp-specialized variants (forward, dK/dV, dQ) are offered: `tl.range` takes warp_specialize
-    (automatic warp specialization of a loop) and the release is WARP_SPECIALIZED_FROM or newer."""
+def warp_specialization_missing() -> str | None:
+    """Why the warp-specialized variants (forward, dK/dV, dQ) are not offered with the installed Triton, or None:
+    its `tl.range` takes no warp_specialize (automatic warp specialization of a loop), or it is not known to be
+    WARP_SPECIALIZED_FROM or newer."""
     import triton.language as tl
 
     found = release()
-    return ("warp_specialize" in inspect.signature(tl.range.__init__).parameters and found is not None
-            and found >= WARP_SPECIALIZED_FROM)
+    name = _installed_name(found)
+    if "warp_specialize" not in inspect.signature(tl.range.__init__).parameters:
+        return f"{name}'s tl.range takes no warp_specialize"
+    if found is None or found < WARP_SPECIALIZED_FROM:
+        return (f"{name}: the warp-specialized variants are offered from triton {WARP_SPECIALIZED_FROM[0]}."
+                f"{WARP_SPECIALIZED_FROM[1]} on, the oldest release whose builds compiled without spills")
+    return None
+
+
+def warp_specialization() -> bool:
+    """Whether the warp-specialized variants (forward, dK/dV, dQ) are offered (`warp_specialization_missing`)."""
+    return warp_specialization_missing() is None
 
 
 @functools.cache

@@ -19,11 +19,13 @@ windows, either alignment), softcap and ALiBi are read as the long-query kernels
 with either take the long-query kernels). A paged cache's blocks are read through its block table, an 8-bit
 one dequantized where its tiles are loaded, as the long-query forward does (KV8, TOKEN_SCALES).
 
-A dense cache's K and V may be read through tensor descriptors (DESCRIPTORS, TMA on sm_90 and later, as
-`triton_kernels`' variants): on such devices both variants are the candidates of a small autotuner, elsewhere and in
-the interpreter the pointer one runs unless FUSED_ATTN_TRITON_DESCRIPTORS=1; a paged cache and layouts TMA cannot
-read keep pointers (`triton_kernels.descriptor_refusals`). The query rows of a group and the workspace stay on
-pointers: the rows come from several heads, and both are small beside the keys.
+A dense cache's K and V may be read, and each split's output written, through tensor descriptors (DESCRIPTORS, TMA
+on sm_90 and later, as `triton_kernels`' variants), the key loop warp-specialized too (WARP_SPECIALIZE, as the
+forward's, for the calls it is offered for): on such devices these variants are candidates of a small autotuner
+beside pointers, elsewhere and in the interpreter the pointer one runs unless FUSED_ATTN_TRITON_DESCRIPTORS=1 (or
+`forced_variant`); a paged cache and layouts TMA cannot read keep pointers (`triton_kernels.descriptor_refusals`).
+The query rows of a group stay on pointers: they come from several heads. So do the splits' log-sum-exps and the
+combine's output (see where they are written).
 """
 
 from __future__ import annotations
@@ -60,11 +62,14 @@ def _attn_decode(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, BANDED: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, PAGED: tl.constexpr, KV8: tl.constexpr, TOKEN_SCALES: tl.constexpr,
-    PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DESCRIPTORS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One split of the keys for one key/value head's query group. The workspace is PART_O
     (B, H_kv, SPLITS, BLOCK_M, BLOCK_DV) and PART_LSE (B, H_kv, SPLITS, BLOCK_M), contiguous, fp32. An 8-bit
-    cache (KV8) is read as the long-query forward reads it (`tk._attn_fwd_keys`)."""
+    cache (KV8) is read as the long-query forward reads it (`tk._attn_fwd_keys`). WARP_SPECIALIZE asks Triton to
+    split the key loop into warps that load and warps that compute (it does on sm_100, not on sm_90:
+    bench/NOTES.md 56)."""
     pid = tl.program_id(0)
     split = pid % SPLITS
     pid_bh = pid // SPLITS
@@ -110,7 +115,7 @@ def _attn_decode(
     if HAS_KPM:
         span_first, span_end = tk._span(SPANS, off_b)
         lo, hi = tk._within_span(span_first, span_end, lo, hi, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = offs_n < hi  # keys of other splits are not this one's to see; hi <= the span's end
         if HAS_KPM:  # nor is the padding before the span read (tk._in_span)
@@ -151,7 +156,11 @@ def _attn_decode(
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     part = (pid_bh.to(tl.int64) * SPLITS + split) * BLOCK_M
-    tl.store(PART_O + (part + rows[:, None]) * BLOCK_DV + offs_dv[None, :], acc / l_safe[:, None])
+    # The workspace is ours, contiguous and aligned as TMA needs: with DESCRIPTORS the tile goes through a descriptor.
+    tk._store_rows(PART_O + part * BLOCK_DV, acc / l_safe[:, None], 0, BLOCK_M, BLOCK_DV, 1, BLOCK_DV, BLOCK_M,
+                   BLOCK_DV, DESCRIPTORS)
+    # The log-sum-exps stay on pointers, as the forward's: through a descriptor of their own, their 64 to 256 bytes
+    # cost the program one more descriptor made on the device (128 bytes of scratch, about 40 SASS instructions).
     tl.store(PART_LSE + part + rows, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")))
 
 
@@ -193,6 +202,9 @@ def _attn_decode_combine(
     outs = tl.load(PART_O + parts[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
     seen = total > 0.0
     out = tl.sum(outs * weight[:, None], 0) / tl.where(seen, total, 1.0)
+    # Pointers, not a descriptor: a program writes one row of D_v elements, which through TMA would take a descriptor
+    # made by each program (128 bytes of scratch) and a trip through shared memory (compiled for sm_90 and sm_100:
+    # 304 SASS instructions against 208), and this launch has no autotuner to leave that out where it is slower.
     tl.store(O + off_b * stride_ob + off_h * stride_oh + off_i * stride_om + offs_dv * stride_od,
              out.to(O.dtype.element_ty), mask=offs_dv < D_V)
     row_lse = tl.where(seen, (m_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453, float("-inf"))
@@ -307,28 +319,69 @@ def workspace(query, key, value, splits):
             torch.empty(batch, heads_kv, splits, rows, **options))
 
 
+# The decode kernel's variants, by name: their constexprs.
+VARIANTS = {"pointers": dict(DESCRIPTORS=False, WARP_SPECIALIZE=False),
+            "descriptors": dict(DESCRIPTORS=True, WARP_SPECIALIZE=False),
+            "warp_specialized": dict(DESCRIPTORS=True, WARP_SPECIALIZE=True)}
+
+
+def shared_memory_config(constexprs: dict) -> tk.KernelConfig:
+    """The fixed config of a launch with these constexprs (a variant's among them) as the long-query kernels'
+    KernelConfig: the forward's `shared_memory_estimate` bounds the decode kernel's too (one loop alike, the query
+    rows resident, K and V streamed)."""
+    return tk.KernelConfig(constexprs["BLOCK_M"], constexprs["BLOCK_N"], DECODE_WARPS, DECODE_STAGES,
+                           constexprs["DESCRIPTORS"], constexprs["WARP_SPECIALIZE"])
+
+
 @functools.lru_cache(maxsize=None)
 def _autotuned_decode(descriptors_only: bool):
-    """The decode kernel at its fixed config, tuned between its pointer and descriptor variants (the descriptor one
-    alone with FUSED_ATTN_TRITON_DESCRIPTORS=1), keyed on the problem as the long-query kernels are."""
-    configs = [triton.Config({"DESCRIPTORS": d}, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
-               for d in ((True,) if descriptors_only else (False, True))]
+    """The decode kernel at its fixed config, tuned between its variants (the descriptor ones alone with
+    FUSED_ATTN_TRITON_DESCRIPTORS=1), keyed on the problem as the long-query kernels are. The warp-specialized one is
+    offered as the forward's is: where Triton offers it, for the calls of `triton_kernels.warp_specializable`, and
+    where its shared memory fits the device."""
+    names = ("descriptors", "warp_specialized") if descriptors_only else tuple(VARIANTS)
+
+    def prune(configs, named_args, **constexprs):
+        specialized = triton_compat.warp_specialization() and tk.warp_specializable(constexprs) and tk._fitting(
+            "fwd", [shared_memory_config({**constexprs, **VARIANTS["warp_specialized"]})], named_args["Q"], constexprs)
+        return [config for config in configs if specialized or not config.kwargs["WARP_SPECIALIZE"]]
+
+    configs = [triton.Config(VARIANTS[name], num_warps=DECODE_WARPS, num_stages=DECODE_STAGES) for name in names]
     key = ["L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "SOFTCAP", "HAS_ALIBI", "PRECISION"]
-    return triton.autotune(configs=configs, key=key)(_attn_decode)
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(_attn_decode)
+
+
+# The variant `forced_variant` launches, bypassing the autotuner.
+_forced: list[str] = []
+
+
+@contextlib.contextmanager
+def forced_variant(name: str):
+    """Within the block, the decode kernel launches as the variant `name` of VARIANTS wherever a call can take
+    descriptors (pointers elsewhere), as `triton_kernels.forced_configs` launches the long-query kernels: tests use
+    it to run each variant."""
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def _launch_decode(grid, args, constexprs, device, descriptors: bool):
-    """The decode kernel: on a GPU whose call the descriptor variant serves (`descriptors`), tuned between it and
-    pointers; else pointers, or descriptors where FUSED_ATTN_TRITON_DESCRIPTORS=1 forces them (the interpreter)."""
+    """The decode kernel: on a GPU whose call the descriptor variants serve (`descriptors`), tuned between them and
+    pointers; else pointers, or descriptors where FUSED_ATTN_TRITON_DESCRIPTORS=1 forces them (the interpreter), or
+    the variant `forced_variant` names."""
     mode = tk.descriptor_mode()
     descriptors = descriptors and mode != "off"
     on_gpu = device.type == "cuda"
-    if descriptors and on_gpu and tk._autotune_enabled() and not tk.interpreting() and tk.tuned_with_descriptors(
-            lambda: _autotuned_decode(mode == "on")[grid](*args, **constexprs), device):
+    if descriptors and on_gpu and tk._autotune_enabled() and not tk.interpreting() and not _forced and \
+            tk.tuned_with_descriptors(lambda: _autotuned_decode(mode == "on")[grid](*args, **constexprs), device):
         return
-    forced = descriptors and mode == "on" and not tk._descriptor_failure
-    with triton_compat.scratch_allocator(device) if forced and on_gpu else contextlib.nullcontext():
-        _attn_decode[grid](*args, **constexprs, DESCRIPTORS=forced, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+    name = _forced[-1] if _forced else "descriptors" if mode == "on" else "pointers"
+    if not descriptors or tk._descriptor_failure:
+        name = "pointers"
+    with triton_compat.scratch_allocator(device) if name != "pointers" and on_gpu else contextlib.nullcontext():
+        _attn_decode[grid](*args, **constexprs, **VARIANTS[name], num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
 
 
 def forward(query, key, value, attn_mask, key_padding_mask, is_causal, scale, out, variant, pages=None) -> torch.Tensor:

@@ -1723,7 +1723,8 @@ def _autotuned(kernel: str, descriptors: bool = False):
 # Launch features under which the warp-specialized forward spills registers on sm_100 (bench/triton_report.py: the
 # score variants with key padding, and mask programs, by hundreds of local loads), or which the report does not
 # compile it with (masks, paged caches): the autotuner offers it only without them. The warp-specialized backward
-# is compiled, and offered, for the same calls.
+# and decode kernel (triton_decode) are compiled, and offered, for the same calls (the decode's with sinks too:
+# its combine folds them in).
 NOT_WARP_SPECIALIZED = ("SOFTCAP", "HAS_ALIBI", "HAS_KPM", "HAS_SINKS", "HAS_PROGRAM", "PAGED", "MASK_KIND")
 
 
