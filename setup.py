@@ -23,6 +23,13 @@ import torch
 # nvcc 13.0 (CUDA 13.0, which PyPI's torch 2.13.0 is built with) compiles for compute_75 to compute_121. A cubin runs
 # on its major's later minors too (8.6: 8.7 and 8.9; 10.0: 10.3; 12.0: 12.1), PTX on every later device.
 DEFAULT_CUDA_ARCHS = "8.0;8.6;9.0;10.0;12.0+PTX"
+# Before CUDA 12.8 (torch 2.4-2.6) neither nvcc nor torch's arch flags know 10.0 and 12.0.
+PRE_BLACKWELL_CUDA_ARCHS = "8.0;8.6;9.0+PTX"
+
+
+def default_cuda_archs() -> str:
+    version = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return DEFAULT_CUDA_ARCHS if version >= (12, 8) else PRE_BLACKWELL_CUDA_ARCHS
 
 
 def cuda_build_problem() -> str | None:
@@ -74,7 +81,7 @@ def extensions():
     if not build_cuda():
         return [CppExtension("fused_attn._C", sources, extra_compile_args={"cxx": cxx_flags},
                              extra_link_args=["-fopenmp"])]
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_cuda_archs())
     sources += sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
     cxx_flags.append(f"-DFUSED_ATTN_CUDA_ARCHITECTURES={cuda_architectures()}")
     return [CUDAExtension("fused_attn._C", sources,

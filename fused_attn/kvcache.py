@@ -304,7 +304,8 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
         kernel_sinks = None if alibi_slopes is not None else sinks
         kernel_variant = variant_of(query, "bottom_right", None, softcap, alibi_slopes, kernel_sinks)
     # Rows named by cache_batch_idx and the rows of a dense 8-bit cache are read as a paged cache's blocks (below).
-    read_as_blocks = paged or (capacity > 0 and (cache_batch_idx is not None or scale_layout is not None))
+    rows_as_blocks = not paged and (cache_batch_idx is not None or scale_layout is not None)
+    read_as_blocks = paged or (rows_as_blocks and capacity > 0)
     chosen = _chosen_backend(query, k_cache.shape[2] if paged else k_cache.shape[1], k_cache.shape[3],
                              v_cache.shape[3], capacity, banded and common_end is None, scale, kernel_variant, backend,
                              k_cache.dtype, read_as_blocks)
@@ -352,7 +353,7 @@ def attention_with_kvcache(query, k_cache, v_cache, key=None, value=None, *, cac
                 assert_on_device(((scales > 0) & scales.isfinite()).all(),
                                  f"{name}: the sequences' scales must be positive and finite to quantize the "
                                  f"appended keys and values with")
-        if cache_batch_idx is not None or (scale_layout is not None and not paged):
+        if rows_as_blocks:
             rows_used = cache_batch_idx if cache_batch_idx is not None else \
                 torch.arange(batch, dtype=torch.int32, device=query.device)
             if capacity > 0:

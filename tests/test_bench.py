@@ -39,7 +39,8 @@ def test_sweep_rows_csv_and_plot(tmp_path):
 
 def test_check_prints_one_passing_line_per_problem():
     lines = []
-    assert check.run_check(torch.device("cpu"), (torch.float32,), backends=["reference"], printer=lines.append)
+    passed = check.run_check(torch.device("cpu"), (torch.float32,), backends=["reference"], printer=lines.append)
+    assert passed, "\n".join(lines)
     assert len(lines) == 1 + len(check.PROBLEMS) and all(line.endswith("pass") for line in lines[1:])
 
 

@@ -996,6 +996,8 @@ DEFAULT_BUILD = "sm_80,sm_86,sm_90,sm_100,compute_120,sm_120"  # what setup.py r
     ("sm_80,sm_86,sm_90", (10, 0), True), ("sm_80,sm_86,sm_90", (12, 0), True),  # the earlier default on Blackwell
     ("sm_90a", (9, 0), False), ("sm_90a,sm_100a", (10, 3), True),  # architecture-specific cubins: their own alone
     ("sm_80,compute_80", (12, 0), False), ("sm_90", (8, 6), True),
+    ("sm_100f", (10, 3), False), ("sm_100f", (12, 0), True),  # family-specific: its major's later minors
+    ("sm_100x", (9, 0), False),  # a name it cannot read is left to the launch
 ])
 def test_backend_refuses_a_device_its_kernels_were_not_built_for(recorded, capability, refused, monkeypatch):
     """A device that none of the extension's cubins or PTX (fused_attn._C.cuda_architectures, recorded at the build)

@@ -1515,7 +1515,7 @@ constexpr int64_t kDecodeMaxQueries = 16;
 // amortise a transpose of the K block for the block product.
 constexpr int64_t kDotRows = 8;
 
-// How many rows ahead the row readers (row_dots, add_stored_values) ask for a key row: the hardware's prefetchers
+// How many rows ahead, at least, the key readers (row_dots, prefetch_following_keys) ask for a key row: the hardware's prefetchers
 // alone read a bf16 cache at 12.6 GB/s where 25 GB/s is there (Xeon with AMX, bench/NOTES.md 38), and cannot
 // follow a paged cache's rows across its blocks.
 constexpr int64_t kPrefetchRows = 8;
@@ -1696,14 +1696,14 @@ inline Vectorized<float> load_first(const float* src, int64_t count) {
 // elements read as T (load_stored<kType> where they are not T); factor_j = factors[j], or 1 without factors. In
 // float the keys go a group at a time, as many as leave one accumulator per (row, key) in a vector's lanes: W
 // independent chains of multiply-adds, each query vector loaded once per group, and the group's dots summed by one
-// lane_sums and stored a row's keys at a time. (In double, key by key, each dot summed on its own.)
+// lane_sums and stored a row's keys at a time. (In double, or for more rows than lanes, key by key, each dot summed
+// on its own.)
 template <CacheType kType, typename T, typename Elem, int R, typename KeyAt>
 void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, int64_t n, T* s, int64_t lds) {
   using V = Vectorized<T>;
   constexpr int W = V::size();
-  constexpr bool grouped = std::is_same_v<T, float>;
+  constexpr bool grouped = std::is_same_v<T, float> && R <= W;  // (NEON's 4 lanes take up to 4 rows grouped)
   constexpr int kKeys = grouped ? W / R : 1;
-  static_assert(!grouped || R <= W, "row_dots: a lane per row at least");
   const auto load = [](const Elem* x) {
     if constexpr (std::is_same_v<Elem, T>) {
       return V::loadu(x);
@@ -1754,9 +1754,9 @@ void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, 
       const V factor = factors == nullptr ? V(1.f) : load_first(factors + j0, keys);
       for (int r = 0; r < R; ++r) store_first(lanes_from(sums, r * kKeys) * factor, s + r * lds + j0, keys);
     } else {
-      TORCH_INTERNAL_ASSERT(factors == nullptr, "row_dots: scale factors are for float rows");
+      const T factor = factors == nullptr ? T(1) : static_cast<T>(factors[j0]);
       for (int r = 0; r < R; ++r) {
-        s[r * lds + j0] = tail(r, 0, at::vec::vec_reduce_all<T>([](V& x, V& y) { return x + y; }, acc[r]));
+        s[r * lds + j0] = tail(r, 0, at::vec::vec_reduce_all<T>([](V& x, V& y) { return x + y; }, acc[r])) * factor;
       }
     }
   }

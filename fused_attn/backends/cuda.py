@@ -68,12 +68,16 @@ def built_architectures() -> tuple[str, ...]:
 def runs_on(architecture: str, capability: tuple[int, int]) -> bool:
     """Whether code built for `architecture` ("sm_86", "sm_90a", "compute_120") runs on a device of `capability`, by
     CUDA's compatibility rules: a cubin sm_XY on X.Z for every Z >= Y (an architecture-specific sm_XYa on X.Y alone);
-    PTX compute_XY, compiled by the driver, on X.Y and every later capability."""
-    kind, major, minor, specific = re.fullmatch(r"(sm|compute)_(\d+)(\d)(a?)", architecture).groups()
+    PTX compute_XY, compiled by the driver, on X.Y and every later capability. A name it cannot read may run (the
+    launch then says whether it does)."""
+    parsed = re.fullmatch(r"(sm|compute)_(\d+)(\d)([af]?)", architecture)
+    if parsed is None:
+        return True
+    kind, major, minor, suffix = parsed.groups()
     built = (int(major), int(minor))
-    if specific:
+    if suffix == "a":
         return tuple(capability) == built
-    if kind == "sm":
+    if kind == "sm" or suffix == "f":  # a family-specific build runs on its major's later minors, as a cubin does
         return capability[0] == built[0] and capability[1] >= built[1]
     return tuple(capability) >= built
 

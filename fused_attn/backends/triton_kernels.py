@@ -1674,16 +1674,15 @@ def _default_for(kernel, tensor, constexprs) -> KernelConfig:
     return min(smaller, key=lambda c: (c.block_m * c.block_n, c.num_stages)) if smaller else config
 
 
-# HAS_SINKS is not in the key: it changes only the forward's epilogue, so the config tuned without sinks
-# serves a call with them (a launch still compiles its own specialisation).
 AUTOTUNE_KEY = ("L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "HAS_DROPOUT",
                 "SOFTCAP", "HAS_ALIBI", "VARLEN", "HAS_PROGRAM", "PRECISION")
 
 
 def autotune_key(kernel: str) -> list[str]:
-    """AUTOTUNE_KEY, and the kernels' own features: the dK/dV kernel's bias gradient, the forward's 8-bit
-    cache and its scales' layout."""
-    own = {"bwd_dkdv": ["HAS_MASK_GRAD"], "fwd": ["KV8", "TOKEN_SCALES"]}
+    """AUTOTUNE_KEY, and the kernels' own features: the dK/dV kernel's bias gradient; the forward's 8-bit
+    cache, its scales' layout and its sinks (which keep the warp-specialized variant out: a choice made without
+    them must not serve a call with them)."""
+    own = {"bwd_dkdv": ["HAS_MASK_GRAD"], "fwd": ["KV8", "TOKEN_SCALES", "HAS_SINKS"]}
     return list(AUTOTUNE_KEY) + own.get(kernel, [])
 
 
