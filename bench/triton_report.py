@@ -1,7 +1,7 @@
 """Static GPU report of the `triton` backend, made without a GPU.
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
-bf16; head dims 64 and 128; causal and not, causal with dropout, causal with every score variant of
+bf16; head dims 64 and 128, and on sm_90 and sm_100 fp32 at 128 and bf16 at 256 (WIDER); causal and not, causal with dropout, causal with every score variant of
 fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi, attention sinks) with key
 padding, the same with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), the
 same with a mask program (fused_attn.masks) without and with dropout (forward, dK/dV, dQ), and
@@ -13,9 +13,10 @@ sm_90 and sm_100 with Triton's own compiler and an explicit target (sm_100 takes
 Blackwell device does: `triton_kernels.arch_of`). The cubins are read with the `cuobjdump` shipped in the
 Triton wheel: `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local
 loads/stores (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90,
-UTCHMMA — Blackwell's tcgen05.mma on fp16/bf16 operands — on sm_100; the decode kernel's 16-row tiles stay
-warp-level HMMA on both). Shared memory is Triton's dynamic allocation from the kernel metadata plus any
-static shared memory. Triton builds capability 9.0 and 10.0 as the architecture-specific sm_90a and sm_100a (wgmma
+UTCHMMA — Blackwell's tcgen05.mma on fp16/bf16 operands — on sm_100; tiles whose products have fewer rows than
+a warpgroup's 64, the decode kernel's 16 query rows and some of the backward's at D = 256, stay warp-level HMMA on
+both: `tensor_core_prefix`). Shared memory is Triton's dynamic allocation from the kernel metadata plus any static
+shared memory. Triton builds capability 9.0 and 10.0 as the architecture-specific sm_90a and sm_100a (wgmma
 and tcgen05.mma exist only there), as it does on such a device; each row records the architecture its cubin's SASS
 names (`cubin_arch`), and a cubin of another architecture than its target fails the row.
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -57,13 +59,18 @@ from .kernel_table import format_table
 
 TARGETS = {"sm_80": 80, "sm_90": 90, "sm_100": 100}
 TENSOR_CORE_PREFIX = {"sm_80": "HMMA", "sm_90": "HGMMA", "sm_100": "UTCHMMA"}
-# Kernels whose tiles are narrower than a warpgroup's 64 rows (the decode kernel's 16 query rows):
-# their products are warp-level mma (HMMA) on sm_90 and sm_100 too, still tensor cores.
-NARROW_TILE_KERNELS = ("decode",)
+# The rows of a warpgroup's products (wgmma, tcgen05.mma): a tile with fewer, as the decode kernel's 16 query rows, is
+# multiplied by warp-level mma (HMMA) on sm_90 and sm_100 too, still tensor cores.
+WARPGROUP_ROWS = 64
 
 
-def tensor_core_prefix(kernel: str, target: str) -> str:
-    return "HMMA" if base_kernel(kernel) in NARROW_TILE_KERNELS else TENSOR_CORE_PREFIX[target]
+def tensor_core_prefix(kernel: str, target: str, config: str) -> str:
+    """The tensor-core instruction a build of `kernel` at `config` (its text: "BLOCK_M=..,BLOCK_N=..") must hold on
+    `target`: TENSOR_CORE_PREFIX's where its products' rows (the query rows of a tile; dK/dV's key rows) fill a
+    warpgroup, HMMA where they do not."""
+    blocks = dict(re.findall(r"(BLOCK_[MN])=(\d+)", config))
+    rows = int(blocks["BLOCK_N" if base_kernel(kernel) == "bwd_dkdv" else "BLOCK_M"])
+    return TENSOR_CORE_PREFIX[target] if rows >= WARPGROUP_ROWS else "HMMA"
 
 
 def capability(target: str) -> tuple[int, int]:
@@ -80,6 +87,10 @@ def config_arch(target: str) -> str:
 
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
+# Beyond those, on the targets with TMA, as (dtype, head dim): fp32 (products on FMA units, tiles of its own) and the
+# widest head dim; `--dtypes float32 --head-dims 64 128 256` compiles the rest (bench/NOTES.md section 58).
+WIDER = (("float32", 128), ("bfloat16", 256))
+WIDER_TARGETS = ("sm_90", "sm_100")
 # The tensor-descriptor variants (triton_kernels.DESCRIPTOR_KERNELS), as report rows of their own, each {name: (the
 # kernel, its config's switches)}: the forward at its default config with Q, K, V and O through tensor descriptors
 # ("fwd_desc"), and with its key loop warp-specialized too ("fwd_desc_ws"); the dK/dV and dQ kernels with Q, K, V,
@@ -105,14 +116,33 @@ KERNELS = ("fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq", "decode", "decode_comb
 MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", *DESCRIPTOR_VARIANTS)
 
 
-def kernels(target: str) -> tuple[str, ...]:
-    """The kernels compiled for `target`: all, but the descriptor variants only where TMA is and with a Triton
-    that offers them (triton_compat.tensor_descriptors, warp_specialization)."""
-    from fused_attn.backends import triton_compat
+def kernels(target: str, dtype: str = "float16", head_dim: int = 64) -> tuple[str, ...]:
+    """The kernels compiled for `target`: all, but the descriptor variants only where TMA is, with a Triton that
+    offers them (triton_compat.tensor_descriptors, warp_specialization), and for what a launch offers them for: no
+    fp32 (triton_kernels.FLOAT32_REFUSAL), no warp-specialized loop over head dims above
+    triton_kernels.WARP_SPECIALIZED_MAX_HEAD_DIM; the decode kernels up to the head dims they take
+    (triton_decode.MAX_HEAD_DIM: the long-query kernels run the others)."""
+    from fused_attn.backends import triton_compat, triton_decode
+    from fused_attn.backends import triton_kernels as tk
 
     offered = [k for k in KERNELS if (k not in DESCRIPTOR_VARIANTS or triton_compat.tensor_descriptors() is None)
                and (k not in WARP_SPECIALIZED_VARIANTS or triton_compat.warp_specialization())]
-    return tuple(k for k in offered if k not in DESCRIPTOR_VARIANTS or target in DESCRIPTOR_TARGETS)
+    wide = tk.padded_head_dim(head_dim) > tk.WARP_SPECIALIZED_MAX_HEAD_DIM
+    if head_dim > triton_decode.MAX_HEAD_DIM:
+        offered = [k for k in offered if not base_kernel(k).startswith("decode")]
+    return tuple(k for k in offered if k not in DESCRIPTOR_VARIANTS or (
+        target in DESCRIPTOR_TARGETS and dtype != "float32" and not (wide and k in WARP_SPECIALIZED_VARIANTS)))
+
+
+def combinations(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=WIDER):
+    """(kernel, target, dtype, head dim, causal, dropout, bias_grad, scores) of every report row: each target's
+    kernels in `dtypes` at `head_dims`, and on WIDER_TARGETS at the (dtype, head dim) pairs of `wider` too."""
+    for target in targets:
+        shapes = [*itertools.product(dtypes, head_dims), *(wider if target in WIDER_TARGETS else ())]
+        for dtype, head_dim in dict.fromkeys(shapes):
+            for kernel in kernels(target, dtype, head_dim):
+                if kernel in only:
+                    yield from ((kernel, target, dtype, head_dim, *variant) for variant in variants(kernel))
 
 
 # Kernels launched at a fixed config rather than a default of triton_kernels' tables.
@@ -169,7 +199,8 @@ def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     return ((False, False, False, False), (False, False, False, PACKED))
 
 
-def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, timeout=1800) -> list[dict]:
+def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=WIDER,
+           timeout=1800) -> list[dict]:
     """One dict per (kernel, target, dtype, head dim, causal, dropout, bias_grad, scores): resources,
     instructions, verdict.
 
@@ -184,7 +215,7 @@ def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERN
         root = Path(__file__).resolve().parent.parent
         children = [subprocess.Popen([sys.executable, "-m", "bench.triton_report", "--json", "--targets", target,
                                       "--dtypes", *dtypes, "--head-dims", *(str(d) for d in head_dims),
-                                      "--kernels", *only],
+                                      "--kernels", *only, "--wider", *(f"{d}:{h}" for d, h in wider)],
                                      env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     for target in targets]
         rows = []
@@ -337,7 +368,8 @@ def _check_served(kernel, tensors, pages, sequences):
         raise ValueError(f"{kernel}: the representative call is one it cannot serve: {refusals}")
 
 
-def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool, kernel: str = "fwd") -> dict:
+def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool, kernel: str = "fwd",
+             config: str = "BLOCK_M=64,BLOCK_N=64") -> dict:
     tool = gpu_binaries.find_cuobjdump()
     usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
@@ -377,7 +409,7 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
     # Triton builds sm_90 and sm_100 as their architecture-specific sm_90a and sm_100a (wgmma, tcgen05.mma).
     if row["cubin_arch"] is None or not re.fullmatch(rf"{target}a?", row["cubin_arch"]):
         problems.append(f"the cubin is built for {row['cubin_arch'] or 'no architecture its SASS names'}, not {target}")
-    prefix = tensor_core_prefix(kernel, target)
+    prefix = tensor_core_prefix(kernel, target, config)
     if needs_tensor_cores and not any(op.split(".")[0] == prefix for op in tensor_core):
         problems.append(f"no {prefix} instructions (found {sorted(tensor_core) or 'none'})")
     if kernel in DESCRIPTOR_VARIANTS and "UTMALDG" not in tma:
@@ -426,7 +458,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
         metadata = {"shared": compiled.metadata.shared}
         # fp32 products in full precision ("ieee", PyTorch's default) run on FMA units by design.
         exact_fp32 = constexprs.get("PRECISION") == "ieee" and dtype_name == "float32"
-        row.update(_inspect(cubin, metadata, target, kernel in MATMUL_KERNELS and not exact_fp32, kernel))
+        row.update(_inspect(cubin, metadata, target, kernel in MATMUL_KERNELS and not exact_fp32, kernel, config_text))
     # Global memory each program needs at launch (tensor descriptors made on the device), from the allocator.
     row["global_scratch_bytes"] = int(getattr(compiled.metadata, "global_scratch_size", 0) or 0)
     # Whether Triton split a loop into warp-specialized partitions (its TTGIR holds the op), and the warps the
@@ -437,13 +469,18 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     return row
 
 
-def _rows(targets, dtypes, head_dims, only=KERNELS):
-    for target in targets:
-        for dtype_name in dtypes:
-            for head_dim in head_dims:
-                for kernel in (k for k in kernels(target) if k in only):
-                    for variant in variants(kernel):
-                        yield _compile_row(kernel, target, dtype_name, head_dim, *variant)
+def _rows(targets, dtypes, head_dims, only=KERNELS, wider=WIDER):
+    for kernel, target, *rest in combinations(targets, dtypes, head_dims, only, wider):
+        yield _compile_row(kernel, target, *rest)
+
+
+def _shape(text: str) -> tuple[str, int]:
+    """"float32:128" -> ("float32", 128)."""
+    dtype, _, head_dim = text.partition(":")
+    if dtype not in (*DTYPES, "float32") or not head_dim.isdigit():
+        raise argparse.ArgumentTypeError(f"expected DTYPE:HEAD_DIM with DTYPE one of {DTYPES + ('float32',)}, got "
+                                         f"{text!r}")
+    return dtype, int(head_dim)
 
 
 def main(argv=None) -> int:
@@ -454,14 +491,17 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
                         help="only these kernels (each on the targets it is compiled for)")
+    parser.add_argument("--wider", nargs="*", type=_shape, default=list(WIDER), metavar="DTYPE:HEAD_DIM",
+                        help=f"also these on {', '.join(WIDER_TARGETS)} (default: "
+                             f"{' '.join(f'{d}:{h}' for d, h in WIDER)}; none if given without one)")
     options = parser.parse_args(argv)
     if options.json:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
             parser.error("--json compiles for the GPU: unset TRITON_INTERPRET")
-        for row in _rows(options.targets, options.dtypes, options.head_dims, options.kernels):
+        for row in _rows(options.targets, options.dtypes, options.head_dims, options.kernels, options.wider):
             print(json.dumps(row), flush=True)
         return 0
-    rows = report(options.targets, options.dtypes, options.head_dims, options.kernels)
+    rows = report(options.targets, options.dtypes, options.head_dims, options.kernels, options.wider)
     print(format_table(rows))
     return 0 if all(r["fits"] for r in rows) else 1
 

@@ -61,6 +61,24 @@ needs_descriptors = pytest.mark.skipif(_DESCRIPTORS_UNAVAILABLE is not None, rea
 # How the kernels of a test read Q, K, V and write their outputs: through pointers, or through tensor descriptors
 # (`reading_through`).
 READS = ["pointers", pytest.param("descriptors", marks=needs_descriptors)]
+# The dtypes the descriptor variants take (fp32 keeps pointers: tk.FLOAT32_REFUSAL).
+DESCRIPTOR_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def reads_and_dtypes(params) -> list:
+    """(reads, dtype, ...) params: each of `params` (dtype, ...) through pointers, and through descriptors where its
+    dtype takes them (DESCRIPTOR_DTYPES)."""
+    found = []
+    for reads in READS:
+        name = getattr(reads, "values", (reads,))[0]
+        marks = getattr(reads, "marks", ())
+        for param in params:
+            values, id_ = (param.values, param.id) if hasattr(param, "values") else ((param,), None)
+            if name == "descriptors" and values[0] not in DESCRIPTOR_DTYPES:
+                continue
+            id_ = id_ or DTYPE_IDS[DTYPES.index(values[0])]
+            found.append(pytest.param(name, *values, marks=marks, id=f"{name}-{id_}"))
+    return found
 
 
 def reading_through(reads: str, monkeypatch) -> dict:
@@ -257,9 +275,8 @@ def test_decode_split_count_follows_the_problem():
     assert not triton_decode.takes(torch.empty(1, 8, 1, 16), small, small, object())  # dropout
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", ["gqa", "key_padding_and_mask", "lse_grad_gqa", "hidden_rows"])
-@pytest.mark.parametrize("reads", READS)
+@pytest.mark.parametrize("reads,dtype", reads_and_dtypes(DTYPES))
 def test_gradients_bitwise_identical_on_two_runs(reads, name, dtype, generator, monkeypatch):
     case = CASES[name]
     inputs = make_inputs(case, dtype, 1, generator)
@@ -938,7 +955,7 @@ def test_public_kvcache_reads_8bit_caches(dtype, generator):
 # or keys (the forward and dQ: query rows; dK/dV: keys).
 PROGRAM_TILES = dict(fwd=tk.KernelConfig(32, 64, 4, 1), bwd_dkdv=tk.KernelConfig(64, 32, 4, 1),
                      bwd_dq=tk.KernelConfig(32, 64, 4, 1))
-# Keys in blocks of 16, as fp32's default dQ tiles have them: a block reads half a word of each row's bits.
+# Keys in blocks of 16, as fp32's default dQ tiles at D = 128 have them: a block reads half a word of each row's bits.
 HALF_WORD_TILES = dict(fwd=tk.KernelConfig(64, 16, 4, 1), bwd_dkdv=tk.KernelConfig(32, 16, 4, 1),
                        bwd_dq=tk.KernelConfig(64, 16, 4, 1))
 # testing.PROGRAM_CASES: fp32 at PROGRAM_TILES, fp16 and bf16 at the default configs (bf16 at PROGRAM_TILES
@@ -1015,8 +1032,7 @@ def _seen_but_in_tiles_1(b, h, q_idx, kv_idx):
     return (q_idx // masks.TILE != 1) & (kv_idx // masks.TILE != 1) & pattern
 
 
-@pytest.mark.parametrize("dtype,rotation,tiles", PROGRAM_CHECKS)
-@pytest.mark.parametrize("reads", READS)
+@pytest.mark.parametrize("reads,dtype,rotation,tiles", reads_and_dtypes(PROGRAM_CHECKS))
 def test_program_empty_tiles_are_never_read(reads, dtype, rotation, tiles, generator, monkeypatch):
     """Keys and values NaN in a key tile no query sees, queries and dO NaN in a query tile that sees no key:
     the results of clean ones. A block of an empty tile that were visited, even with every score hidden, would
@@ -1149,8 +1165,9 @@ def test_padded_keys_are_never_read(reads, path, rotation, poison, generator, mo
                                torch.empty(1, 1, len_k, 16), None) == (path == "decode")
     variants = reading_through(reads, monkeypatch)
     laid_out = functools.partial(in_descriptor_layouts, rotation=rotation) if reads == "descriptors" else None
+    dtype = torch.float32 if reads == "pointers" else DESCRIPTOR_DTYPES[0]
     with tk.forced_configs(**_tiles(rotation)):
-        testing.check_padding_is_not_read(BACKEND, torch.float32, generator, device=DEVICE, poison=poison,
+        testing.check_padding_is_not_read(BACKEND, dtype, generator, device=DEVICE, poison=poison,
                                           len_q=len_q, len_k=len_k, laid_out=laid_out)
     if reads == "descriptors":
         forward = "decode" if path == "decode" else "fwd"
@@ -1365,7 +1382,8 @@ DESCRIPTOR_CASES = {**CASES, **VARIANT_CASES,
                     **{name: dataclasses.replace(case, sinks=True) for name, case in SINK_CASES.items()},
                     **testing.PROGRAM_CASES}
 DESCRIPTOR_RUNS = [pytest.param(name, dtype, index % len(DESCRIPTOR_LAYOUTS), id=f"{name}-{dtype_id}")
-                   for index, name in enumerate(DESCRIPTOR_CASES) for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)]
+                   for index, name in enumerate(DESCRIPTOR_CASES) for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)
+                   if dtype in DESCRIPTOR_DTYPES]
 
 
 def in_descriptor_layouts(inputs: testing.Inputs, rotation: int) -> testing.Inputs:
@@ -1461,10 +1479,10 @@ def test_recorded_kernels_launch_without_an_autotuner_on_a_gpu(kernel, monkeypat
 
 
 def _descriptor_tiles(case: Case, dtype, rotation: int) -> dict:
-    """As the pointer kernels' tests: a mask program's tiles of 32 and 64 for fp32 and the default ones for fp16
-    and bf16 (PROGRAM_RUNS), else small tiles and the default ones alternately."""
+    """As the pointer kernels' tests: a mask program's default tiles for fp16 and bf16 (PROGRAM_RUNS), else small
+    tiles and the default ones alternately."""
     if case.program is not None:
-        return PROGRAM_TILES if dtype == torch.float32 else {}
+        return {}
     return SMALL_TILES if rotation % 2 == 0 else {}
 
 
@@ -1493,7 +1511,7 @@ WARP_SPECIALIZED_CASES = ("plain", "causal", "causal_short_queries", "gqa", "hea
 
 
 @needs_descriptors
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", DESCRIPTOR_DTYPES, ids=DTYPE_IDS[:2])
 @pytest.mark.parametrize("name", WARP_SPECIALIZED_CASES)
 def test_warp_specialized_kernels_match_reference(name, dtype, generator, monkeypatch):
     """The forward, dK/dV and dQ kernels at configs with their loops warp-specialized (which the interpreter runs as
@@ -1523,7 +1541,7 @@ DECODE_DESCRIPTOR_RUNS = [*(pytest.param(name, "descriptors", id=f"{name}-descri
                             for name in WARP_SPECIALIZED_DECODE_CASES)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dtype", DESCRIPTOR_DTYPES, ids=DTYPE_IDS[:2])
 @pytest.mark.parametrize("name,variant", DECODE_DESCRIPTOR_RUNS)
 def test_descriptor_decode_matches_reference(name, variant, dtype, generator, monkeypatch):
     """The split-KV decode kernel reads a dense cache's K and V and writes each split's output through descriptors
@@ -1565,6 +1583,9 @@ def test_decode_autotune_offers_its_variants(mode, monkeypatch):
         ["warp_specialized"] * triton_compat.warp_specialization()
     for feature in dict(SOFTCAP=True), dict(HAS_ALIBI=True), dict(HAS_KPM=True), dict(MASK_KIND=1):
         assert "warp_specialized" not in offered(**feature), feature
+    constexprs.update(BLOCK_DQK=256, BLOCK_DV=256)  # tk.WARP_SPECIALIZED_MAX_HEAD_DIM
+    assert "warp_specialized" not in offered()
+    constexprs.update(BLOCK_DQK=128, BLOCK_DV=128)
     monkeypatch.setattr(tk, "_device_limits", lambda index: ((12, 0), 99 * 1024))  # its four stages do not fit
     assert "warp_specialized" not in offered()
 
@@ -1607,6 +1628,8 @@ def test_descriptor_refusals_name_each_reason(generator):
     bounds = torch.tensor([0, 20, 40], dtype=torch.int32, device=DEVICE)
     packed = tk.Sequences(bounds, bounds, 20, 20)
     assert any("packed batch" in r for r in tk.descriptor_refusals(plain, None, packed))
+    wide = q.float()
+    assert tk.descriptor_refusals(dict(query=wide, key=wide, value=wide, out=wide)) == [tk.FLOAT32_REFUSAL]
     # The backward's: its gradients and grad_out too, by name.
     assert tk.descriptor_refusals(tk.backward_tensors(q, q, q, q, (q, q, q))) == []
     reasons = tk.descriptor_refusals(tk.backward_tensors(q, q, q, reversed_v, (q, packed_k, narrow_out)))
@@ -1664,6 +1687,10 @@ def test_autotune_offers_the_descriptor_variant_beside_pointers(kernel, mode, mo
     scored = tk._autotuned(kernel, True).early_config_prune([], {"Q": _FakeCudaTensor()}, **constexprs, SOFTCAP=True,
                                                             HAS_KPM=True)
     assert not any(c.kwargs.get("WARP_SPECIALIZE") for c in scored)
+    # Nor at head dim 256, where they used local memory.
+    wide = dict(constexprs, BLOCK_DQK=256, D_QK=256)
+    assert not any(c.kwargs.get("WARP_SPECIALIZE")
+                   for c in tk._autotuned(kernel, True).early_config_prune([], {"Q": _FakeCudaTensor()}, **wide))
 
 
 POINTERS_ONLY = "its kernels read through pointers only (no tensor-descriptor or warp-specialized variant): "
@@ -1700,6 +1727,7 @@ def gpu_of_capability(monkeypatch):
     # A paged cache of the query's dtype (no cache_dtype) as well as an 8-bit one.
     ((9, 0), dict(paged=True), POINTERS_ONLY + "a paged cache"),
     ((9, 0), dict(paged=True, len_q=1, cache_dtype=torch.int8), POINTERS_ONLY + "a paged cache"),
+    ((9, 0), dict(dtype=torch.float32), POINTERS_ONLY + tk.FLOAT32_REFUSAL),
 ])
 def test_registry_notes_say_whether_the_kernels_take_descriptors(capability, fields, expected, gpu_of_capability):
     gpu_of_capability(capability)
@@ -1728,6 +1756,10 @@ NOT_OFFERED = "no warp-specialized form of its {} descriptor variants: {}: its b
     (dict(score_features=("softcap", "alibi"), has_key_padding_mask=True),
      [NOT_OFFERED.format("forward's and backward's", "softcap, ALiBi slopes, key padding")]),
     (dict(mask_dtype=torch.bool), [NOT_OFFERED.format("forward's and backward's", "an attn_mask")]),
+    (dict(head_dim_qk=256, head_dim_v=256),
+     ["no warp-specialized form of its forward's and backward's descriptor variants: head dims over 128"]),
+    (dict(head_dim_qk=96, head_dim_v=160), ["descriptor variants: head dims over 128"]),  # padded to 128 and 256
+    (dict(head_dim_qk=80, head_dim_v=128), [OFFERED.format("forward's and backward's")]),
     # The sinks reach the long-query forward alone: the backward takes them through the lse, the decode kernel
     # through its combine.
     (dict(score_features=("sinks",)),

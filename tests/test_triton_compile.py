@@ -1,25 +1,28 @@
 """Static GPU check of the `triton` backend, without a GPU.
 
 Every kernel is compiled at its default configs for sm_80, sm_90 and sm_100 by Triton's own compiler (fp16 and
-bf16, head dims 64 and 128, causal and not, causal with dropout, causal with every score variant
+bf16, head dims 64 and 128; on sm_90 and sm_100 also fp32 at 128 and bf16 at 256;
+causal and not, causal with dropout, causal with every score variant
 (attention sinks included), dK/dV also with a learned bias's gradient, packed batches, mask programs
 without and with dropout, the forward and split-KV decode kernels over paged caches of the query's dtype, int8
 and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decode combine with sinks; see
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
-sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for the decode kernel's 16-row tiles), and shared memory fits
+sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for tiles of fewer rows than a warpgroup's 64, the decode
+kernel's 16 and the D = 256 backward's with dropout or a program; fp32's on FMA units, in full precision), and
+shared memory fits
 the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's, dK/dV's,
 dQ's and the decode kernel's, plain and warp-specialized, are compiled for sm_90 and sm_100
-too, and their SASS must hold TMA loads (UTMALDG) and stores (UTMASTG), which no pointer kernel has. The rows are the
+too, where a launch offers them (not in fp32; warp-specialized up to head dim 128), and their SASS must hold TMA
+loads (UTMALDG) and stores (UTMASTG), which no pointer kernel has. The rows are the
 triton rows of `python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of
-conftest.py; 708
+conftest.py; 880
 Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import pytest
 
@@ -33,13 +36,7 @@ try:
 except gpu_binaries.ToolMissing as missing:
     pytestmark = pytest.mark.skip(reason=str(missing))
 
-COMBINATIONS = [
-    (kernel, target, dtype, head_dim, *variant)
-    for target, dtype, head_dim in itertools.product(triton_report.TARGETS, triton_report.DTYPES,
-                                                     triton_report.HEAD_DIMS)
-    for kernel in triton_report.kernels(target)
-    for variant in triton_report.variants(kernel)
-]
+COMBINATIONS = list(triton_report.combinations())
 KEYS = {"backend", "kernel", "target", "cubin_arch", "dtype", "head_dim", "causal", "dropout", "bias_grad", "scores",
         "config", "tma_instructions", "global_scratch_bytes", "warp_specialized", "launch_warps",
         "registers",
@@ -79,10 +76,11 @@ def test_default_config_compiles_within_the_device(rows, combination):
     assert row["spill_bytes"] == 0 and row["stack_bytes"] == 0
     assert 0 < row["shared_bytes"] <= gpu_binaries.SHARED_MEMORY_LIMIT[target]
     mnemonics = {name.split(".")[0] for name in row["tensor_core_instructions"]}
-    if kernel in triton_report.MATMUL_KERNELS:
-        assert triton_report.tensor_core_prefix(kernel, target) in mnemonics, row["tensor_core_instructions"]
-    else:
-        assert not mnemonics  # the preprocess is a reduction: no products
+    if kernel in triton_report.MATMUL_KERNELS and row["dtype"] != "float32":
+        assert triton_report.tensor_core_prefix(kernel, target, row["config"]) in mnemonics, \
+            row["tensor_core_instructions"]
+    else:  # the preprocess is a reduction, no products; fp32's run in full precision on FMA units
+        assert not mnemonics, row["tensor_core_instructions"]
     if kernel in triton_report.DESCRIPTOR_VARIANTS:  # loads and stores through TMA; the pointer kernels have none
         assert row["tma_instructions"].get("UTMALDG", 0) > 0, row["tma_instructions"]
         assert row["tma_instructions"].get("UTMASTG", 0) > 0, row["tma_instructions"]
@@ -125,7 +123,7 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
     from fused_attn.backends import triton_kernels as tk
 
     for (kernel, target, dtype, head_dim, causal, dropout, bias_grad, scores), row in rows.items():
-        base = triton_report.base_kernel(kernel)
+        base, element_size = triton_report.base_kernel(kernel), 4 if dtype == "float32" else 2
         if kernel not in triton_report.MATMUL_KERNELS:
             continue
         # The launch's own constexprs: the tiles can depend on any feature (sm_100's on the score variants too).
@@ -135,11 +133,11 @@ def test_shared_memory_estimate_bounds_the_compiled_kernels(rows):
             base, config = "fwd", triton_decode.shared_memory_config(features)
             assert str(dataclasses.replace(config, descriptors=False, warp_specialize=False)) == row["config"]
         else:
-            config = tk.default_config(base, triton_report.config_arch(target), head_dim, 2, features)
+            config = tk.default_config(base, triton_report.config_arch(target), head_dim, element_size, features)
             if kernel in triton_report.DESCRIPTOR_VARIANTS:
                 config = dataclasses.replace(config, **triton_report.DESCRIPTOR_VARIANTS[kernel][1])
             assert str(config) == row["config"]
-        estimate = tk.shared_memory_estimate(base, config, head_dim, head_dim, 2, dropout)
+        estimate = tk.shared_memory_estimate(base, config, head_dim, head_dim, element_size, dropout)
         assert row["shared_bytes"] <= estimate, (kernel, target, dtype, head_dim, causal, dropout, bias_grad,
                                                  scores)
 
@@ -155,3 +153,43 @@ def test_warp_specialized_variants_split_their_loops_on_blackwell(rows):
         if combination[1] == "sm_100":
             warps = int(row["config"].split("warps=")[1].split(",")[0])
             assert row["warp_specialized"] and row["launch_warps"] > warps, (combination, row["launch_warps"])
+
+
+def test_tile_search_keeps_the_first_config_every_row_compiles_cleanly():
+    """bench.tile_search against Triton's compiler: fp32's forward with a program at D = 128 on sm_100 used local
+    memory at the table's tiles (16 bytes of stack) and not at the ones `_FLOAT32_DEFAULTS` holds."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiles for the GPU, as the report
+    done = subprocess.run([sys.executable, "-m", "bench.tile_search", "--targets", "sm_100", "--dtype", "float32",
+                           "--head-dim", "128", "--kernel", "fwd", "--scores", triton_report.PROGRAM, "--configs",
+                           "32,16,4,2", "32,32,8,1", "16,16,4,1"], cwd=Path(__file__).resolve().parent.parent,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *failed, verdict = done.stdout.splitlines()
+    assert verdict == "found: 32,32,8,1"
+    [row] = [json.loads(line) for line in failed]  # the failed config, by its first failing row
+    assert row["config"] == [32, 16, 4, 2] and row["stack_bytes"] > 0 and row["scores"] == triton_report.PROGRAM
+
+
+def test_tile_search_reports_each_failed_config_by_its_first_failing_row():
+    from bench import tile_search
+
+    compiled = []
+
+    def compile_row(*row):
+        from fused_attn.backends import triton_kernels as tk
+
+        config = tk.default_config("fwd", "sm_90", 64, 2)
+        compiled.append((config.block_m, row[-1]))
+        bad = config.block_m == 64 and row[-1] == "b"
+        return dict(problems=["spills"] if bad else [], stack_bytes=0, spill_bytes=0)
+
+    rows = [("fwd", "sm_90", "float16", 64, True, False, False, scores) for scores in "abc"]
+    found, failed = tile_search.search([(64, 32, 4, 2), (32, 32, 4, 2)], rows, compile_row)
+    assert found == (32, 32, 4, 2) and [config for config, _ in failed] == [(64, 32, 4, 2)]
+    assert compiled == [(64, "a"), (64, "b"), (32, "a"), (32, "b"), (32, "c")]  # stops at a config's first failure

@@ -100,6 +100,10 @@ def _not_warp_specialized(problem: Problem, long_query_forward: bool) -> str | N
              if applies(problem) and (long_query_forward or constexpr not in _LONG_QUERY_FORWARD_ONLY)]
     if found:
         return f"{', '.join(found)}: its builds spilled registers with them or were not compiled with them"
+    kernels = _kernels()
+    widest = kernels.WARP_SPECIALIZED_MAX_HEAD_DIM
+    if kernels.padded_head_dim(max(problem.head_dim_qk, problem.head_dim_v)) > widest:
+        return f"head dims over {widest}: its builds used local memory there"
     return None
 
 
@@ -179,6 +183,8 @@ class TritonBackend(Backend):
             reason = kernels.PACKED_REFUSAL
         if reason is None and problem.paged:
             reason = kernels.PAGED_REFUSAL
+        if reason is None and problem.dtype == torch.float32:
+            reason = kernels.FLOAT32_REFUSAL
         if reason is None and kernels.descriptor_mode() == "off":
             reason = f"{kernels.DESCRIPTORS_VARIABLE}=0"
         if reason is not None:

@@ -1104,23 +1104,25 @@ class KernelConfig:
 # Every entry was compiled for its target (bench/triton_report.py) without spills and, for 2-byte
 # types, with tensor-core instructions (HMMA on sm_80, HGMMA on sm_90) and shared memory within the
 # device limit; tests/test_triton_compile.py keeps checking the fp16/bf16 entries of head dims 64 and
-# 128. Found on the way: 64 x 64 backward tiles with 4 warps spilled on sm_80 (dQ at D=64, dK/dV at
-# D=128), 4 warps spilled at D=256, and fp32 in full precision (FMA, no tensor cores) needs small
-# tiles, 128-row tiles spilling by hundreds of local loads on sm_90.
+# 128, and on sm_90 and sm_100 fp32's of 128 and the forward's of 256. Found on the way: 64 x 64 backward tiles with 4
+# warps spilled on sm_80 (dQ at D=64, dK/dV at D=128), 4 warps spilled at D=256, and fp32 in full precision (FMA, no
+# tensor cores) needs small tiles, 128-row tiles spilling by hundreds of local loads on sm_90 (fp32's dQ at D=64:
+# 64 x 32 with 8 warps used 8 to 16 bytes of stack on sm_90 and sm_100, and dK/dV at D=256 16 x 16 with 4 warps 8
+# bytes with dropout; bench/NOTES.md section 58).
 _K = KernelConfig
 _DEFAULTS = {
     ("fwd", "sm_80", 2): {64: _K(128, 64, 8, 3), 128: _K(128, 32, 8, 3), 256: _K(64, 32, 8, 2)},
     ("fwd", "sm_90", 2): {64: _K(128, 64, 4, 3), 128: _K(128, 64, 8, 3), 256: _K(64, 32, 4, 2)},
     ("bwd_dkdv", "sm_80", 2): {64: _K(32, 128, 8, 2), 128: _K(32, 64, 8, 2), 256: _K(16, 64, 8, 2)},
-    ("bwd_dkdv", "sm_90", 2): {64: _K(64, 64, 4, 2), 128: _K(32, 64, 4, 2), 256: _K(16, 64, 8, 2)},
+    ("bwd_dkdv", "sm_90", 2): {64: _K(64, 64, 4, 2), 128: _K(32, 64, 4, 2), 256: _K(16, 32, 8, 2)},
     ("bwd_dq", "sm_80", 2): {64: _K(128, 32, 8, 2), 128: _K(64, 64, 8, 2), 256: _K(64, 32, 8, 2)},
     ("bwd_dq", "sm_90", 2): {64: _K(64, 64, 4, 2), 128: _K(64, 32, 4, 2), 256: _K(64, 16, 4, 2)},
     ("fwd", "sm_80", 4): {64: _K(64, 32, 8, 2), 128: _K(64, 32, 8, 2), 256: _K(32, 16, 4, 2)},
     ("fwd", "sm_90", 4): {64: _K(64, 32, 8, 2), 128: _K(32, 16, 4, 2), 256: _K(32, 16, 4, 2)},
     ("bwd_dkdv", "sm_80", 4): {64: _K(16, 64, 4, 2), 128: _K(16, 64, 8, 2), 256: _K(16, 32, 4, 1)},
-    ("bwd_dkdv", "sm_90", 4): {64: _K(16, 64, 4, 2), 128: _K(16, 64, 8, 2), 256: _K(16, 16, 4, 1)},
+    ("bwd_dkdv", "sm_90", 4): {64: _K(16, 64, 4, 2), 128: _K(16, 64, 8, 2), 256: _K(16, 32, 8, 1)},
     ("bwd_dq", "sm_80", 4): {64: _K(64, 16, 4, 2), 128: _K(64, 16, 4, 2), 256: _K(32, 16, 4, 1)},
-    ("bwd_dq", "sm_90", 4): {64: _K(64, 32, 8, 2), 128: _K(64, 16, 4, 2), 256: _K(32, 16, 4, 1)},
+    ("bwd_dq", "sm_90", 4): {64: _K(32, 32, 4, 2), 128: _K(64, 16, 4, 2), 256: _K(32, 16, 4, 1)},
 }
 
 
@@ -1159,12 +1161,18 @@ _DROPOUT_DEFAULTS = {
     ("bwd_dkdv", "sm_90", 64, True): _K(16, 64, 4, 2),
     ("bwd_dkdv", "sm_90", 128, False): _K(16, 64, 8, 2),
     ("bwd_dkdv", "sm_90", 128, True): _K(16, 64, 8, 2),
+    # At D = 256 the tiles whose products fill a warpgroup used local memory with dropout (up to 248 bytes on sm_90);
+    # these, narrower, are multiplied by warp-level HMMA (bench/NOTES.md section 58).
+    ("bwd_dkdv", "sm_80", 256, False): _K(16, 32, 8, 1),
+    ("bwd_dkdv", "sm_80", 256, True): _K(16, 32, 8, 1),
+    ("bwd_dq", "sm_90", 256, False): _K(32, 32, 8, 2),
 }
 
 
 # Packed batches (VARLEN) with dropout, where the sequence bounds' registers tip the tiles above into
 # spilling; chosen the same way, on Triton 3.5.1, 3.7.1 and 3.9.0. Keyed (kernel, arch, head dim).
 _PACKED_DROPOUT_DEFAULTS = {
+    ("fwd", "sm_90", 256): _K(128, 16, 8, 1),  # the table's (64, 32, 4, 2): 16 bytes of stack
     ("bwd_dkdv", "sm_80", 128): _K(32, 32, 8, 2),
     ("bwd_dkdv", "sm_90", 64): _K(32, 64, 4, 2),  # the table's (64, 64, 4, 2) spills on Triton 3.5 and 3.7
     ("bwd_dq", "sm_80", 128): _K(64, 32, 8, 2),
@@ -1189,6 +1197,19 @@ _PROGRAM_DEFAULTS = {
     ("bwd_dq", "sm_90", 64, True): _K(64, 64, 8, 2),  # the table's (64, 64, 4, 2) spills
     # The table's (64, 32, 4, 2) spills on Triton 3.6.0 to 3.8.0 (24, 22, 12 local loads/stores; 255 registers on 3.9).
     ("bwd_dq", "sm_90", 128, True): _K(64, 32, 8, 2),
+    # At D = 256 the table's (64, 32, 4, 2) used local memory (up to 256 bytes a thread, descriptors too); one stage of
+    # 128 x 16 tiles compiled every forward row of sm_90 and sm_100 without (bench/NOTES.md section 58).
+    ("fwd", "sm_90", 256, False): _K(128, 16, 8, 1),
+    ("fwd", "sm_90", 256, True): _K(128, 16, 8, 1),
+    ("fwd", "sm_80", 256, True): _K(64, 16, 8, 2),  # the table's (64, 32, 8, 2): 32 bytes
+    # The backward at D = 256 on narrow tiles (warp-level HMMA), as with dropout: up to 760 bytes at the table's.
+    ("bwd_dkdv", "sm_80", 256, False): _K(16, 32, 8, 1),
+    ("bwd_dkdv", "sm_80", 256, True): _K(16, 32, 8, 1),
+    ("bwd_dq", "sm_80", 256, False): _K(32, 32, 8, 2),
+    ("bwd_dq", "sm_80", 256, True): _K(32, 32, 8, 2),
+    ("bwd_dq", "sm_90", 256, False): _K(32, 32, 8, 2),
+    ("bwd_dq", "sm_90", 256, True): _K(32, 32, 8, 2),
+    ("bwd_dkdv", "sm_90", 256, True): _K(16, 32, 8, 1),  # the table's narrow tiles used 80 bytes through descriptors
 }
 
 
@@ -1206,6 +1227,12 @@ _BLACKWELL_DEFAULTS = {
     ("bwd_dkdv", 128): ((("HAS_MASK_GRAD", "HAS_DROPOUT"), _K(16, 64, 4, 2)),),
     ("bwd_dq", 64): ((("VARLEN", "HAS_DROPOUT"), _K(64, 32, 4, 2)),),  # (64, 64, 4, 2) spills
     ("bwd_dq", 128): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(64, 32, 8, 2)),),  # (64, 32, 4, 2) spills
+    # An 8-bit cache: sm_90's (64, 32, 4, 2) used 40 to 72 bytes of stack.
+    ("fwd", 256): ((("KV8",), _K(128, 16, 8, 1)),),
+    # Narrow tiles (warp-level HMMA) where a program needs them; elsewhere the tiles that fill a warpgroup compile
+    # without local memory here (dK/dV: 64 keys, which used 8 bytes on sm_90 even without dropout; dQ: 64 queries).
+    ("bwd_dkdv", 256): ((("HAS_PROGRAM",), _K(16, 32, 8, 1)), ((), _K(16, 64, 8, 2))),
+    ("bwd_dq", 256): ((("HAS_PROGRAM",), _K(32, 32, 8, 2)), (("HAS_DROPOUT",), _K(64, 16, 4, 2))),
 }
 
 
@@ -1243,6 +1270,34 @@ _OLD_RELEASE_DEFAULTS = {
 }
 
 
+# fp32 tiles (products on FMA units) for launches whose table tiles used local memory (Triton 3.9,
+# bench/tile_search.py, bench/NOTES.md section 58): an 8-bit cache's conversions, dropout's random bits and a program's
+# tile states live beside the fp32 tiles, and one stage keeps the pipelined copies out. Keyed (kernel, arch, head dim of
+# the table; sm_100 takes sm_90's), then (the features a launch has all of, as in _BLACKWELL_DEFAULTS), the first entry
+# that matches. The table's bytes of stack are given for each.
+_FLOAT32_DEFAULTS = {
+    ("fwd", "sm_80", 64): ((("KV8",), _K(64, 32, 8, 1)), (("HAS_PROGRAM",), _K(64, 32, 8, 1))),  # 224-240, 8
+    ("fwd", "sm_80", 128): ((("KV8",), _K(64, 16, 4, 1)), (("SCORES",), _K(64, 16, 8, 2))),  # 4.8 KiB, 16
+    ("fwd", "sm_80", 256): ((("KV8",), _K(16, 16, 4, 1)), (("HAS_PROGRAM",), _K(32, 16, 4, 1))),  # 1.9-4.6 KiB, 8
+    ("bwd_dkdv", "sm_80", 64): ((("HAS_MASK_GRAD", "SCORES"), _K(16, 64, 8, 2)),),  # 80
+    ("bwd_dkdv", "sm_80", 256): ((("HAS_PROGRAM",), _K(16, 16, 4, 1)),),  # 8-88
+    ("bwd_dq", "sm_80", 64): ((("HAS_DROPOUT",), _K(32, 32, 8, 1)), (("SCORES",), _K(32, 32, 8, 1)),  # 16, 8
+                              (("HAS_PROGRAM",), _K(32, 32, 8, 1))),  # 32
+    ("bwd_dq", "sm_80", 128): ((("HAS_PROGRAM",), _K(64, 16, 4, 1)),  # 64
+                               (("VARLEN", "HAS_DROPOUT"), _K(64, 16, 4, 1))),  # 8
+    ("fwd", "sm_90", 64): ((("KV8",), _K(64, 32, 4, 1)),),  # 248-272
+    ("bwd_dkdv", "sm_90", 64): ((("HAS_DROPOUT",), _K(32, 64, 8, 1)),),  # 40-120
+    ("fwd", "sm_90", 128): ((("KV8",), _K(64, 16, 4, 1)),  # 320-352
+                            (("HAS_DROPOUT",), _K(32, 32, 8, 1)), (("HAS_PROGRAM",), _K(32, 32, 8, 1))),  # 8-32
+    ("bwd_dkdv", "sm_90", 128): ((("HAS_MASK_GRAD",), _K(16, 32, 8, 2)),),  # 56-104
+    ("bwd_dq", "sm_90", 128): ((("HAS_PROGRAM",), _K(64, 16, 4, 1)),  # 32
+                               (("VARLEN", "HAS_DROPOUT"), _K(64, 16, 4, 1))),  # 32
+    ("fwd", "sm_90", 256): ((("KV8",), _K(16, 16, 4, 1)),  # 1.9 KiB
+                            (("SCORES",), _K(16, 32, 4, 1)), (("PAGED",), _K(16, 32, 4, 1)),  # 24-48
+                            (("HAS_PROGRAM",), _K(16, 32, 4, 1))),
+}
+
+
 def _first_match(entries, constexprs: dict | None) -> KernelConfig | None:
     """The config of the first (features, config) of `entries` whose features a launch with `constexprs` has all of
     (its constexprs that are True, and SCORES: a softcap, ALiBi or key padding), or None."""
@@ -1276,6 +1331,9 @@ def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
     if arch == "sm_100":
         blackwell = _blackwell_default(kernel, dim, constexprs) if element_size == 2 else None
         return blackwell or default_config(kernel, "sm_90", head_dim, element_size, constexprs)
+    if element_size > 2 and \
+            (wide := _first_match(_FLOAT32_DEFAULTS.get((kernel, arch, dim), ()), constexprs)) is not None:
+        return wide
     table = _DEFAULTS[(kernel, arch, 4 if element_size > 2 else 2)]
     dim = min(dim for dim in table if dim >= head_dim)
     if constexprs and constexprs.get("HAS_PROGRAM") and element_size == 2:
@@ -1725,10 +1783,14 @@ def _autotuned(kernel: str, descriptors: bool = False):
 # and decode kernel (triton_decode) are compiled, and offered, for the same calls (the decode's with sinks too:
 # its combine folds them in).
 NOT_WARP_SPECIALIZED = ("SOFTCAP", "HAS_ALIBI", "HAS_KPM", "HAS_SINKS", "HAS_PROGRAM", "PAGED", "MASK_KIND")
+# The widest padded head dim the warp-specialized variants are offered for: at 256 the forward's and dK/dV's used local
+# memory on sm_100 (336 and 16 bytes a thread at their default tiles; bench/NOTES.md section 58).
+WARP_SPECIALIZED_MAX_HEAD_DIM = 128
 
 
 def warp_specializable(constexprs: dict) -> bool:
-    return not any(constexprs.get(name) for name in NOT_WARP_SPECIALIZED)
+    return not any(constexprs.get(name) for name in NOT_WARP_SPECIALIZED) \
+        and max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"]) <= WARP_SPECIALIZED_MAX_HEAD_DIM
 
 
 DESCRIPTORS_VARIABLE = "FUSED_ATTN_TRITON_DESCRIPTORS"
@@ -1766,6 +1828,10 @@ def _layout_refusal(name: str, tensor: torch.Tensor) -> str | None:
 # What a descriptor of a (batch row, head)'s matrix cannot serve.
 PAGED_REFUSAL = "a paged cache: its keys are gathered through the block table, not rows of one matrix"
 PACKED_REFUSAL = "a packed batch: a sequence may be empty, and a TMA descriptor needs at least one row"
+# fp32 products run on FMA units (tensor cores only with TF32), where TMA relieves no bottleneck, and the descriptor
+# variants hold whole fp32 tiles in registers: at their default tiles 122 of 210 builds for sm_100 used local memory,
+# up to 7 KiB a thread (bench/NOTES.md, sections 57 and 58).
+FLOAT32_REFUSAL = "float32 tensors: the descriptor variants' fp32 builds use local memory; fp32 runs on pointers"
 
 
 def descriptors_unavailable(device: torch.device) -> str | None:
@@ -1795,6 +1861,8 @@ def descriptor_refusals(tensors: dict[str, torch.Tensor], pages: Pages | None = 
     reasons = []
     if (unavailable := descriptors_unavailable(first.device)) is not None:
         reasons.append(unavailable)
+    if first.dtype == torch.float32:
+        reasons.append(FLOAT32_REFUSAL)
     if pages is not None:
         reasons.append(PAGED_REFUSAL)
     if sequences is not None:
