@@ -69,9 +69,15 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("compiles for the GPU: unset TRITON_INTERPRET")
+    # The rows a report would compile: the kernel only on the targets, dtypes and head dims launches offer it for.
     rows = [(options.kernel, target, options.dtype, options.head_dim, *variant)
-            for target in options.targets for variant in triton_report.variants(options.kernel)
+            for target in options.targets
+            if options.kernel in triton_report.kernels(target, options.dtype, options.head_dim)
+            for variant in triton_report.variants(options.kernel)
             if options.scores is None or str(variant[3]) in options.scores]
+    if not rows:
+        parser.error(f"no report row of {options.kernel} in {options.dtype} at head dim {options.head_dim} on "
+                     f"{', '.join(options.targets)} with scores {options.scores}")
     found, failed = search(options.configs, rows)
     for config, row in failed:
         print(json.dumps(dict(config=config, target=row["target"], causal=row["causal"], dropout=row["dropout"],

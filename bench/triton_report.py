@@ -1,24 +1,24 @@
 """Static GPU report of the `triton` backend, made without a GPU.
 
-Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and
-bf16; head dims 64 and 128, and on sm_90 and sm_100 fp32 at 128 and bf16 at 256 (WIDER); causal and not, causal with dropout, causal with every score variant of
-fused_attn.scores at once (a sliding window aligned bottom-right, softcap, ALiBi, attention sinks) with key
-padding, the same with dropout over a packed batch of sequences (fused_attn.varlen; the preprocess too), the
-same with a mask program (fused_attn.masks) without and with dropout (forward, dK/dV, dQ), and
-for dK/dV causal with dropout and the gradient of a learned additive bias, alone and with the score variants;
-the forward and the split-KV decode kernels over a paged cache of the query's dtype, of int8 and of
-float8_e4m3fn (fused_attn.quantization, a scale per stored key; float8_e4m3fn also one per sequence), the
-decode kernels also plain and with the score variants, their combine plain and with sinks) for sm_80,
-sm_90 and sm_100 with Triton's own compiler and an explicit target (sm_100 takes the configs of sm_90, as a
-Blackwell device does: `triton_kernels.arch_of`). The cubins are read with the `cuobjdump` shipped in the
-Triton wheel: `--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local
-loads/stores (spills) and tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90,
-UTCHMMA — Blackwell's tcgen05.mma on fp16/bf16 operands — on sm_100; tiles whose products have fewer rows than
-a warpgroup's 64, the decode kernel's 16 query rows and some of the backward's at D = 256, stay warp-level HMMA on
-both: `tensor_core_prefix`). Shared memory is Triton's dynamic allocation from the kernel metadata plus any static
-shared memory. Triton builds capability 9.0 and 10.0 as the architecture-specific sm_90a and sm_100a (wgmma
-and tcgen05.mma exist only there), as it does on such a device; each row records the architecture its cubin's SASS
-names (`cubin_arch`), and a cubin of another architecture than its target fails the row.
+Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and bf16; head dims
+64 and 128, and from Triton 3.9 on sm_90 and sm_100 fp32 at 128 and bf16 at 256 (WIDER); causal and not, causal with
+dropout, causal with every score variant of fused_attn.scores at once (a sliding window aligned bottom-right, softcap,
+ALiBi, attention sinks) with key padding, the same with dropout over a packed batch of sequences (fused_attn.varlen;
+the preprocess too), the same with a mask program (fused_attn.masks) without and with dropout (forward, dK/dV, dQ),
+and for dK/dV causal with dropout and the gradient of a learned additive bias, alone and with the score variants; the
+forward and the split-KV decode kernels over a paged cache of the query's dtype, of int8 and of float8_e4m3fn
+(fused_attn.quantization, a scale per stored key; float8_e4m3fn also one per sequence), the decode kernels also plain
+and with the score variants, their combine plain and with sinks) for sm_80, sm_90 and sm_100 with Triton's own
+compiler and an explicit target (sm_100 takes the configs of sm_90, as a Blackwell device does:
+`triton_kernels.arch_of`). The cubins are read with the `cuobjdump` shipped in the Triton wheel:
+`--dump-resource-usage` for registers, stack and local memory, `--dump-sass` for local loads/stores (spills) and
+tensor-core instructions (HMMA on sm_80, HGMMA — warpgroup MMA — on sm_90, UTCHMMA — Blackwell's tcgen05.mma on
+fp16/bf16 operands — on sm_100; tiles whose products have fewer rows than a warpgroup's 64, the decode kernel's 16
+query rows and some of the backward's at D = 256, stay warp-level HMMA on both: `tensor_core_prefix`). Shared memory
+is Triton's dynamic allocation from the kernel metadata plus any static shared memory. Triton builds capability 9.0
+and 10.0 as the architecture-specific sm_90a and sm_100a (wgmma and tcgen05.mma exist only there), as it does on such
+a device; each row records the architecture its cubin's SASS names (`cubin_arch`), and a cubin of another architecture
+than its target fails the row.
 
 The tensor-descriptor variants (`triton_kernels` DESCRIPTORS: the forward's Q, K, V and O, the backward's Q, K, V,
 dO, dQ, dK and dV through `tl.make_tensor_descriptor`) have rows of their own for sm_90 and sm_100, the forward's
@@ -88,9 +88,19 @@ def config_arch(target: str) -> str:
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 # Beyond those, on the targets with TMA, as (dtype, head dim): fp32 (products on FMA units, tiles of its own) and the
-# widest head dim; `--dtypes float32 --head-dims 64 128 256` compiles the rest (bench/NOTES.md section 58).
+# widest head dim, with Triton 3.9 on, the release their tiles were chosen on (the older ones' are fp16 and bf16 at
+# HEAD_DIMS: triton_kernels._OLD_RELEASE_DEFAULTS); `--dtypes float32 --head-dims 64 128 256 --wider` compiles the rest
+# (bench/NOTES.md section 58).
 WIDER = (("float32", 128), ("bfloat16", 256))
 WIDER_TARGETS = ("sm_90", "sm_100")
+WIDER_FROM = (3, 9)
+
+
+def wider_shapes() -> tuple[tuple[str, int], ...]:
+    """WIDER with the installed Triton from WIDER_FROM on, else none."""
+    from fused_attn.backends import triton_compat
+
+    return () if triton_compat.older_than(WIDER_FROM) else WIDER
 # The tensor-descriptor variants (triton_kernels.DESCRIPTOR_KERNELS), as report rows of their own, each {name: (the
 # kernel, its config's switches)}: the forward at its default config with Q, K, V and O through tensor descriptors
 # ("fwd_desc"), and with its key loop warp-specialized too ("fwd_desc_ws"); the dK/dV and dQ kernels with Q, K, V,
@@ -134,9 +144,11 @@ def kernels(target: str, dtype: str = "float16", head_dim: int = 64) -> tuple[st
         target in DESCRIPTOR_TARGETS and dtype != "float32" and not (wide and k in WARP_SPECIALIZED_VARIANTS)))
 
 
-def combinations(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=WIDER):
+def combinations(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=None):
     """(kernel, target, dtype, head dim, causal, dropout, bias_grad, scores) of every report row: each target's
-    kernels in `dtypes` at `head_dims`, and on WIDER_TARGETS at the (dtype, head dim) pairs of `wider` too."""
+    kernels in `dtypes` at `head_dims`, and on WIDER_TARGETS at the (dtype, head dim) pairs of `wider` too (None:
+    `wider_shapes()`)."""
+    wider = wider_shapes() if wider is None else wider
     for target in targets:
         shapes = [*itertools.product(dtypes, head_dims), *(wider if target in WIDER_TARGETS else ())]
         for dtype, head_dim in dict.fromkeys(shapes):
@@ -199,7 +211,7 @@ def variants(kernel: str) -> tuple[tuple[bool, bool, bool, bool | str], ...]:
     return ((False, False, False, False), (False, False, False, PACKED))
 
 
-def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=WIDER,
+def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=None,
            timeout=1800) -> list[dict]:
     """One dict per (kernel, target, dtype, head dim, causal, dropout, bias_grad, scores): resources,
     instructions, verdict.
@@ -209,6 +221,7 @@ def report(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERN
     stack_bytes, shared_bytes, tensor_core_instructions ({mnemonic: count}), fits, problems.
     """
     # One child process per target, at the same time (the compilations are independent).
+    wider = wider_shapes() if wider is None else wider
     with tempfile.TemporaryDirectory(prefix="fused_attn_triton_cache_") as cache:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(TRITON_CACHE_DIR=cache, TRITON_DEFAULT_FP_FUSION="1")
@@ -469,7 +482,7 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
     return row
 
 
-def _rows(targets, dtypes, head_dims, only=KERNELS, wider=WIDER):
+def _rows(targets, dtypes, head_dims, only=KERNELS, wider=None):
     for kernel, target, *rest in combinations(targets, dtypes, head_dims, only, wider):
         yield _compile_row(kernel, target, *rest)
 
@@ -491,9 +504,10 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(HEAD_DIMS))
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
                         help="only these kernels (each on the targets it is compiled for)")
-    parser.add_argument("--wider", nargs="*", type=_shape, default=list(WIDER), metavar="DTYPE:HEAD_DIM",
+    parser.add_argument("--wider", nargs="*", type=_shape, metavar="DTYPE:HEAD_DIM",
                         help=f"also these on {', '.join(WIDER_TARGETS)} (default: "
-                             f"{' '.join(f'{d}:{h}' for d, h in WIDER)}; none if given without one)")
+                             f"{' '.join(f'{d}:{h}' for d, h in WIDER)} from Triton "
+                             f"{'.'.join(map(str, WIDER_FROM))} on; none if given without one)")
     options = parser.parse_args(argv)
     if options.json:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

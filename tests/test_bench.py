@@ -341,3 +341,25 @@ def test_mask_bench_on_a_small_shape(capsys):
     assert set(candidates) == {"program", "dense_mask", "sdpa_mask"}
     rows = mask_bench.build_rows(256, rounds=1)
     assert any(row.startswith("| documents(ids) & causal()") for row in rows) and "program memory" in rows[-1]
+
+
+def test_tile_search_reports_each_failed_config_by_its_first_failing_row():
+    """bench.tile_search's order, with a compiler that fails one row at the 64-row tiles (the search against
+    Triton's own is in tests/test_triton_compile.py)."""
+    pytest.importorskip("triton")
+    from bench import tile_search
+
+    compiled = []
+
+    def compile_row(*row):
+        from fused_attn.backends import triton_kernels as tk
+
+        config = tk.default_config("fwd", "sm_90", 64, 2)
+        compiled.append((config.block_m, row[-1]))
+        bad = config.block_m == 64 and row[-1] == "b"
+        return dict(problems=["spills"] if bad else [], stack_bytes=0, spill_bytes=0)
+
+    rows = [("fwd", "sm_90", "float16", 64, True, False, False, scores) for scores in "abc"]
+    found, failed = tile_search.search([(64, 32, 4, 2), (32, 32, 4, 2)], rows, compile_row)
+    assert found == (32, 32, 4, 2) and [config for config, _ in failed] == [(64, 32, 4, 2)]
+    assert compiled == [(64, "a"), (64, "b"), (32, "a"), (32, "b"), (32, "c")]  # stops at a config's first failure

@@ -77,7 +77,7 @@ def reads_and_dtypes(params) -> list:
             if name == "descriptors" and values[0] not in DESCRIPTOR_DTYPES:
                 continue
             id_ = id_ or DTYPE_IDS[DTYPES.index(values[0])]
-            found.append(pytest.param(name, *values, marks=marks, id=f"{name}-{id_}"))
+            found.append(pytest.param(name, *values, marks=[*marks, *getattr(param, "marks", ())], id=f"{name}-{id_}"))
     return found
 
 
@@ -965,7 +965,8 @@ PROGRAM_RUNS = [pytest.param(dtype, rotation, PROGRAM_TILES if dtype == torch.fl
                 for dtype, dtype_id, rotation in zip(DTYPES, DTYPE_IDS, (1, 3, 0))]
 # The tests of chosen programs: fp32 at HALF_WORD_TILES, fp16 at the default configs.
 PROGRAM_CHECKS = [pytest.param(torch.float32, 0, HALF_WORD_TILES, id="fp32-0-keys16"),
-                  pytest.param(torch.float16, 1, {}, id="fp16-1-default")]
+                  pytest.param(torch.float16, 1, {}, id="fp16-1-default"),
+                  pytest.param(torch.float16, 0, HALF_WORD_TILES, id="fp16-0-keys16")]
 
 
 def program_inputs(case: Case, mask_mod, dtype, rotation: int, generator) -> testing.Inputs:
@@ -1368,6 +1369,29 @@ def test_default_configs_fit_their_generation(kernel):
                 assert tk.shared_memory_estimate(kernel, config, head_dim, head_dim, size) <= limit
 
 
+def _launch_features(features) -> dict:
+    """Constexprs of a launch with every one of a table entry's features (SCORES: a softcap)."""
+    return {("SOFTCAP" if name == "SCORES" else name): True for name in features}
+
+
+@pytest.mark.parametrize("table", ["_FLOAT32_DEFAULTS", "_BLACKWELL_DEFAULTS"])
+def test_feature_tiles_are_reached_and_fit(table):
+    """Every entry of the feature-keyed tables is what a launch with its features gets (no earlier entry of its
+    key shadows it), on its generation and, for sm_90's fp32 entries, on sm_100's, and fits the device's shared
+    memory (dropout's random bits counted)."""
+    for key, entries in getattr(tk, table).items():
+        kernel, *arch, dim = key
+        size, archs = (4, [arch[0]] + ["sm_100"] * (arch[0] == "sm_90")) if arch else (2, ["sm_100"])
+        for features, config in entries:
+            constexprs = _launch_features(features)
+            for target in archs:
+                if size == 2 and tk._old_release_default(kernel, target, dim, constexprs) is not None:
+                    continue  # the installed Triton's own tiles (_OLD_RELEASE_DEFAULTS) come first
+                assert tk.default_config(kernel, target, dim, size, constexprs) == config, (key, features, target)
+                estimate = tk.shared_memory_estimate(kernel, config, dim, dim, size, "HAS_DROPOUT" in features)
+                assert estimate <= tk.SHARED_MEMORY_LIMIT[target], (key, features)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The tensor-descriptor variants (DESCRIPTORS: the forward's Q, K, V and O, the backward's Q, K, V, dO, dQ, dK and
 # dV through tl.make_tensor_descriptor, TMA on sm_90 and later), forced by FUSED_ATTN_TRITON_DESCRIPTORS=1 where a
@@ -1381,9 +1405,10 @@ DESCRIPTOR_LAYOUTS = ("contiguous", "heads_inner", "seq_first")
 DESCRIPTOR_CASES = {**CASES, **VARIANT_CASES,
                     **{name: dataclasses.replace(case, sinks=True) for name, case in SINK_CASES.items()},
                     **testing.PROGRAM_CASES}
+# fp16 and bf16, and one fp32 case, which the variants refuse (it runs on pointers: tk.FLOAT32_REFUSAL).
 DESCRIPTOR_RUNS = [pytest.param(name, dtype, index % len(DESCRIPTOR_LAYOUTS), id=f"{name}-{dtype_id}")
                    for index, name in enumerate(DESCRIPTOR_CASES) for dtype, dtype_id in zip(DTYPES, DTYPE_IDS)
-                   if dtype in DESCRIPTOR_DTYPES]
+                   if dtype in DESCRIPTOR_DTYPES or index == 0]
 
 
 def in_descriptor_layouts(inputs: testing.Inputs, rotation: int) -> testing.Inputs:
@@ -1479,10 +1504,11 @@ def test_recorded_kernels_launch_without_an_autotuner_on_a_gpu(kernel, monkeypat
 
 
 def _descriptor_tiles(case: Case, dtype, rotation: int) -> dict:
-    """As the pointer kernels' tests: a mask program's default tiles for fp16 and bf16 (PROGRAM_RUNS), else small
-    tiles and the default ones alternately."""
+    """As the pointer kernels' tests: a mask program's tiles of 32 and 64 for fp16 (blocks smaller than a program's
+    tile, as the forward's 128 x 16 at D = 256 on sm_90) and its default ones for bf16, else small tiles and the
+    default ones alternately."""
     if case.program is not None:
-        return {}
+        return PROGRAM_TILES if dtype == torch.float16 else {}
     return SMALL_TILES if rotation % 2 == 0 else {}
 
 
@@ -1583,9 +1609,8 @@ def test_decode_autotune_offers_its_variants(mode, monkeypatch):
         ["warp_specialized"] * triton_compat.warp_specialization()
     for feature in dict(SOFTCAP=True), dict(HAS_ALIBI=True), dict(HAS_KPM=True), dict(MASK_KIND=1):
         assert "warp_specialized" not in offered(**feature), feature
-    constexprs.update(BLOCK_DQK=256, BLOCK_DV=256)  # tk.WARP_SPECIALIZED_MAX_HEAD_DIM
-    assert "warp_specialized" not in offered()
-    constexprs.update(BLOCK_DQK=128, BLOCK_DV=128)
+    wide = dict(constexprs, BLOCK_DQK=256, BLOCK_DV=256)  # over tk.WARP_SPECIALIZED_MAX_HEAD_DIM (and the device)
+    assert tk.warp_specializable(constexprs) and not tk.warp_specializable(wide)
     monkeypatch.setattr(tk, "_device_limits", lambda index: ((12, 0), 99 * 1024))  # its four stages do not fit
     assert "warp_specialized" not in offered()
 

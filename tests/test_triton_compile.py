@@ -9,7 +9,7 @@ and float8_e4m3fn (scales per token; float8_e4m3fn also per sequence), the decod
 bench/triton_report.py), and its cubin is read back with cuobjdump: it compiles, nothing spills (no local
 loads/stores in the SASS, no stack), the matrix products run on tensor cores (HMMA on sm_80, HGMMA on
 sm_90, UTCHMMA — tcgen05.mma — on sm_100; HMMA for tiles of fewer rows than a warpgroup's 64, the decode
-kernel's 16 and the D = 256 backward's with dropout or a program; fp32's on FMA units, in full precision), and
+kernel's 16 and some of the D = 256 backward's; fp32's on FMA units, in full precision), and
 shared memory fits
 the device (163 KB on sm_80, 227 KB on sm_90 and sm_100). The tensor-descriptor variants, the forward's, dK/dV's,
 dQ's and the decode kernel's, plain and warp-specialized, are compiled for sm_90 and sm_100
@@ -57,6 +57,26 @@ def rows(static_gpu_report):
         found[tuple(row[key] for key in ("kernel", "target", "dtype", "head_dim", "causal", "dropout",
                                          "bias_grad", "scores"))] = row
     return found
+
+
+def test_report_compiles_what_launches_take():
+    """The rows are the launches the backend makes: no descriptor variant in fp32, no warp-specialized one above head
+    dim 128, no decode kernel above triton_decode.MAX_HEAD_DIM; fp32 at 128 and bf16 at 256 on the targets with TMA
+    from Triton 3.9 on (WIDER_FROM), and on no other."""
+    from fused_attn.backends import triton_compat, triton_decode
+
+    shapes = {(target, dtype, head_dim) for _, target, dtype, head_dim, *_ in COMBINATIONS}
+    wider = {(target, dtype, head_dim) for target in ("sm_90", "sm_100")
+             for dtype, head_dim in (("float32", 128), ("bfloat16", 256))}
+    assert shapes & wider == (set() if triton_compat.older_than(triton_report.WIDER_FROM) else wider)
+    assert not any(target == "sm_80" and dtype == "float32" for target, dtype, _ in shapes)
+    for kernel, target, dtype, head_dim, *_ in COMBINATIONS:
+        if kernel in triton_report.DESCRIPTOR_VARIANTS:
+            assert dtype != "float32" and target != "sm_80", (kernel, target, dtype)
+        if kernel in triton_report.WARP_SPECIALIZED_VARIANTS:
+            assert head_dim <= 128, (kernel, head_dim)
+        if kernel.startswith("decode"):
+            assert head_dim <= triton_decode.MAX_HEAD_DIM, (kernel, head_dim)
 
 
 def test_report_covers_every_kernel_and_config(rows):
@@ -175,21 +195,3 @@ def test_tile_search_keeps_the_first_config_every_row_compiles_cleanly():
     [row] = [json.loads(line) for line in failed]  # the failed config, by its first failing row
     assert row["config"] == [32, 16, 4, 2] and row["stack_bytes"] > 0 and row["scores"] == triton_report.PROGRAM
 
-
-def test_tile_search_reports_each_failed_config_by_its_first_failing_row():
-    from bench import tile_search
-
-    compiled = []
-
-    def compile_row(*row):
-        from fused_attn.backends import triton_kernels as tk
-
-        config = tk.default_config("fwd", "sm_90", 64, 2)
-        compiled.append((config.block_m, row[-1]))
-        bad = config.block_m == 64 and row[-1] == "b"
-        return dict(problems=["spills"] if bad else [], stack_bytes=0, spill_bytes=0)
-
-    rows = [("fwd", "sm_90", "float16", 64, True, False, False, scores) for scores in "abc"]
-    found, failed = tile_search.search([(64, 32, 4, 2), (32, 32, 4, 2)], rows, compile_row)
-    assert found == (32, 32, 4, 2) and [config for config, _ in failed] == [(64, 32, 4, 2)]
-    assert compiled == [(64, "a"), (64, "b"), (32, "a"), (32, "b"), (32, "c")]  # stops at a config's first failure

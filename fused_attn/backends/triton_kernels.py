@@ -1102,9 +1102,10 @@ class KernelConfig:
 # Defaults by kernel, GPU generation (the sm_80 table below compute capability 9, the sm_90 one from 9
 # on), bytes per element (2: fp16/bf16, 4: fp32) and padded head dim (the larger of D_qk and D_v).
 # Every entry was compiled for its target (bench/triton_report.py) without spills and, for 2-byte
-# types, with tensor-core instructions (HMMA on sm_80, HGMMA on sm_90) and shared memory within the
-# device limit; tests/test_triton_compile.py keeps checking the fp16/bf16 entries of head dims 64 and
-# 128, and on sm_90 and sm_100 fp32's of 128 and the forward's of 256. Found on the way: 64 x 64 backward tiles with 4
+# types, with tensor-core instructions (HMMA on sm_80, HGMMA on sm_90; HMMA for sm_90's dK/dV at D=256, whose 32 key
+# rows are fewer than a warpgroup's) and shared memory within the device limit; tests/test_triton_compile.py keeps
+# checking the fp16/bf16 entries of head dims 64 and 128, and on sm_90 and sm_100 fp32's of 128 and bf16's of 256.
+# Found on the way: 64 x 64 backward tiles with 4
 # warps spilled on sm_80 (dQ at D=64, dK/dV at D=128), 4 warps spilled at D=256, and fp32 in full precision (FMA, no
 # tensor cores) needs small tiles, 128-row tiles spilling by hundreds of local loads on sm_90 (fp32's dQ at D=64:
 # 64 x 32 with 8 warps used 8 to 16 bytes of stack on sm_90 and sm_100, and dK/dV at D=256 16 x 16 with 4 warps 8
@@ -1150,7 +1151,7 @@ def arch_of(capability: tuple[int, int]) -> str:
 # fp16/bf16 tiles for launches with dropout (and dK/dV writing a learned bias's gradient) where the
 # default spills registers on some supported Triton release: the random bits stay live beside the
 # scores. Each chosen by compiling candidates for its target on Triton 3.5 to 3.9
-# (bench/triton_report.py): no spills, tensor-core instructions kept (HGMMA on sm_90). Keyed
+# (bench/triton_report.py): no spills, tensor-core instructions kept (HGMMA on sm_90 but at D = 256). Keyed
 # (kernel, arch, head dim of the table, bias gradient).
 _DROPOUT_DEFAULTS = {
     ("fwd", "sm_90", 64, False): _K(128, 32, 4, 3),
@@ -1214,7 +1215,8 @@ _PROGRAM_DEFAULTS = {
 
 
 # fp16/bf16 tiles on Blackwell (sm_100) where sm_90's default spills registers there, each compiled for sm_100 on
-# Triton 3.9 (bench/triton_report.py): no spills, tcgen05 products (UTCHMMA) kept. Keyed (kernel, head dim of the
+# Triton 3.9 (bench/triton_report.py): no spills, tcgen05 products (UTCHMMA) kept but in the narrow tiles of D = 256
+# with a program (HMMA). Keyed (kernel, head dim of the
 # table), then the features a launch has all of (the first entry that matches): SCORES is a softcap, ALiBi or key
 # padding, the others constexprs of the kernels.
 _BLACKWELL_DEFAULTS = {
