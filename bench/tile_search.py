@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-from unittest import mock
 
 from . import triton_report
 
@@ -37,11 +36,10 @@ def first_failure(config, rows, compile_row=None) -> dict | None:
     from fused_attn.backends import triton_kernels as tk
 
     compile_row = compile_row or triton_report._compile_row
-    with mock.patch.object(tk, "default_config", lambda *args, **kwargs: tk.KernelConfig(*config)):
-        for row in rows:
-            result = compile_row(*row)
-            if result["problems"] or result["stack_bytes"] or result["spill_bytes"]:
-                return result
+    for row in rows:
+        result = compile_row(*row, config=tk.KernelConfig(*config))
+        if result["problems"] or result["stack_bytes"] or result["spill_bytes"]:
+            return result
     return None
 
 

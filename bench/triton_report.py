@@ -128,20 +128,23 @@ MATMUL_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq", "decode", *DESCRIPTOR_VARIANTS)
 
 def kernels(target: str, dtype: str = "float16", head_dim: int = 64) -> tuple[str, ...]:
     """The kernels compiled for `target`: all, but the descriptor variants only where TMA is, with a Triton that
-    offers them (triton_compat.tensor_descriptors, warp_specialization), and for what a launch offers them for: no
-    fp32 (triton_kernels.FLOAT32_REFUSAL), no warp-specialized loop over head dims above
-    triton_kernels.WARP_SPECIALIZED_MAX_HEAD_DIM; the decode kernels up to the head dims they take
-    (triton_decode.MAX_HEAD_DIM: the long-query kernels run the others)."""
+    offers them (triton_compat.tensor_descriptors, warp_specialization), and for what a launch offers them for (no
+    fp32: triton_kernels.call_refusals; no warp-specialized loop over head dims above
+    triton_kernels.WARP_SPECIALIZED_MAX_HEAD_DIM: warp_specialization_refusal); the decode kernels up to the head dims
+    they take (triton_decode.MAX_HEAD_DIM: the long-query kernels run the others)."""
+    import torch
     from fused_attn.backends import triton_compat, triton_decode
     from fused_attn.backends import triton_kernels as tk
 
     offered = [k for k in KERNELS if (k not in DESCRIPTOR_VARIANTS or triton_compat.tensor_descriptors() is None)
                and (k not in WARP_SPECIALIZED_VARIANTS or triton_compat.warp_specialization())]
-    wide = tk.padded_head_dim(head_dim) > tk.WARP_SPECIALIZED_MAX_HEAD_DIM
+    block = tk.padded_head_dim(head_dim)
+    specializable = tk.warp_specialization_refusal(dict(BLOCK_DQK=block, BLOCK_DV=block)) is None
+    described = target in DESCRIPTOR_TARGETS and not tk.call_refusals(getattr(torch, dtype), paged=False, packed=False)
     if head_dim > triton_decode.MAX_HEAD_DIM:
         offered = [k for k in offered if not base_kernel(k).startswith("decode")]
     return tuple(k for k in offered if k not in DESCRIPTOR_VARIANTS or (
-        target in DESCRIPTOR_TARGETS and dtype != "float32" and not (wide and k in WARP_SPECIALIZED_VARIANTS)))
+        described and (specializable or k not in WARP_SPECIALIZED_VARIANTS)))
 
 
 def combinations(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=None):
@@ -433,8 +436,9 @@ def _inspect(cubin: Path, metadata: dict, target: str, needs_tensor_cores: bool,
     return row
 
 
-def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_grad, scores) -> dict:
-    """Compiles one kernel at its default config and inspects it."""
+def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_grad, scores, config=None) -> dict:
+    """Compiles one kernel at `config` (a KernelConfig; None: its default, or the fixed config of the preprocess and
+    the decode kernels) and inspects it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -444,8 +448,8 @@ def _compile_row(kernel, target, dtype_name, head_dim, causal, dropout, bias_gra
                                                               dropout, bias_grad, scores, target)
     if fixed is None:
         base = base_kernel(kernel)
-        config = tk.default_config(base, config_arch(target), tk.padded_head_dim(head_dim), dtype.itemsize,
-                                   constexprs)
+        config = config or tk.default_config(base, config_arch(target), tk.padded_head_dim(head_dim), dtype.itemsize,
+                                             constexprs)
         config = dataclasses.replace(config, **DESCRIPTOR_VARIANTS[kernel][1] if kernel in DESCRIPTOR_VARIANTS else {})
         constexprs = dict(constexprs, **config.constexprs(base))
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}

@@ -351,10 +351,7 @@ def test_tile_search_reports_each_failed_config_by_its_first_failing_row():
 
     compiled = []
 
-    def compile_row(*row):
-        from fused_attn.backends import triton_kernels as tk
-
-        config = tk.default_config("fwd", "sm_90", 64, 2)
+    def compile_row(*row, config):
         compiled.append((config.block_m, row[-1]))
         bad = config.block_m == 64 and row[-1] == "b"
         return dict(problems=["spills"] if bad else [], stack_bytes=0, spill_bytes=0)

@@ -1813,7 +1813,7 @@ def test_registry_notes_name_the_triton_without_warp_specialization(gpu_of_capab
 def test_registry_notes_name_every_feature_that_keeps_warp_specialization_out():
     from fused_attn.backends import triton as triton_backend
 
-    assert set(triton_backend._WARP_SPECIALIZATION_BLOCKERS) == set(tk.NOT_WARP_SPECIALIZED)
+    assert set(triton_backend._WARP_SPECIALIZATION_CONSTEXPRS) == set(tk.NOT_WARP_SPECIALIZED)
 
 
 def test_a_descriptor_variant_triton_cannot_build_falls_back_to_pointers(monkeypatch, generator):

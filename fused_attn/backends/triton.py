@@ -72,16 +72,15 @@ def _check_scales(query, k_blocks, v_blocks, k_scale, v_scale) -> None:
                              f"{tuple(getattr(scales, 'shape', ()))}")
 
 
-# What of a call keeps the warp-specialized variants out, by the constexpr of triton_kernels.NOT_WARP_SPECIALIZED
-# that it sets.
-_WARP_SPECIALIZATION_BLOCKERS = {
-    "SOFTCAP": ("softcap", lambda problem: "softcap" in problem.score_features),
-    "HAS_ALIBI": ("ALiBi slopes", lambda problem: "alibi" in problem.score_features),
-    "HAS_KPM": ("key padding", lambda problem: problem.has_key_padding_mask),
-    "HAS_SINKS": ("attention sinks", lambda problem: "sinks" in problem.score_features),
-    "HAS_PROGRAM": ("a mask program", lambda problem: "mask_program" in problem.score_features),
-    "PAGED": ("a paged cache", lambda problem: problem.paged),
-    "MASK_KIND": ("an attn_mask", lambda problem: problem.mask_dtype is not None),
+# The constexprs of triton_kernels.NOT_WARP_SPECIALIZED, as a call's launches set them.
+_WARP_SPECIALIZATION_CONSTEXPRS = {
+    "SOFTCAP": lambda problem: "softcap" in problem.score_features,
+    "HAS_ALIBI": lambda problem: "alibi" in problem.score_features,
+    "HAS_KPM": lambda problem: problem.has_key_padding_mask,
+    "HAS_SINKS": lambda problem: "sinks" in problem.score_features,
+    "HAS_PROGRAM": lambda problem: "mask_program" in problem.score_features,
+    "PAGED": lambda problem: problem.paged,
+    "MASK_KIND": lambda problem: problem.mask_dtype is not None,
 }
 
 
@@ -92,19 +91,16 @@ _LONG_QUERY_FORWARD_ONLY = ("HAS_SINKS",)
 
 def _not_warp_specialized(problem: Problem, long_query_forward: bool) -> str | None:
     """Why the autotuner offers a kernel of `problem` (the long-query forward, or another) no warp-specialized
-    variant, or None: the installed Triton, or what of the call its builds spilled registers with or were not
-    compiled with (`triton_kernels.warp_specializable`)."""
+    variant, or None: the installed Triton, or `triton_kernels.warp_specialization_refusal` of the launch's
+    constexprs."""
     if (missing := triton_compat.warp_specialization_missing()) is not None:
         return missing
-    found = [name for constexpr, (name, applies) in _WARP_SPECIALIZATION_BLOCKERS.items()
-             if applies(problem) and (long_query_forward or constexpr not in _LONG_QUERY_FORWARD_ONLY)]
-    if found:
-        return f"{', '.join(found)}: its builds spilled registers with them or were not compiled with them"
     kernels = _kernels()
-    widest = kernels.WARP_SPECIALIZED_MAX_HEAD_DIM
-    if kernels.padded_head_dim(max(problem.head_dim_qk, problem.head_dim_v)) > widest:
-        return f"head dims over {widest}: its builds used local memory there"
-    return None
+    constexprs = {constexpr: applies(problem) and (long_query_forward or constexpr not in _LONG_QUERY_FORWARD_ONLY)
+                  for constexpr, applies in _WARP_SPECIALIZATION_CONSTEXPRS.items()}
+    constexprs.update(BLOCK_DQK=kernels.padded_head_dim(problem.head_dim_qk),
+                      BLOCK_DV=kernels.padded_head_dim(problem.head_dim_v))
+    return kernels.warp_specialization_refusal(constexprs)
 
 
 def _warp_specialization_note(kernels: str, kept_out: str | None) -> str:
@@ -122,7 +118,7 @@ def _runs_decode(problem: Problem) -> bool:
         return False
 
     def shaped(heads, length, dim):
-        return torch.empty(problem.batch, heads, length, dim, device="meta")
+        return torch.empty(problem.batch, heads, length, dim, device="meta", dtype=problem.dtype)
 
     program = ScoreVariant(block_tiles=torch.empty(0, device="meta")) if "mask_program" in problem.score_features \
         else PLAIN
@@ -179,12 +175,8 @@ class TritonBackend(Backend):
             return notes
         kernels = _kernels()
         reason = kernels.descriptors_unavailable(problem.device)
-        if reason is None and problem.varlen:
-            reason = kernels.PACKED_REFUSAL
-        if reason is None and problem.paged:
-            reason = kernels.PAGED_REFUSAL
-        if reason is None and problem.dtype == torch.float32:
-            reason = kernels.FLOAT32_REFUSAL
+        if reason is None:
+            reason = next(iter(kernels.call_refusals(problem.dtype, paged=problem.paged, packed=problem.varlen)), None)
         if reason is None and kernels.descriptor_mode() == "off":
             reason = f"{kernels.DESCRIPTORS_VARIABLE}=0"
         if reason is not None:

@@ -1162,11 +1162,6 @@ _DROPOUT_DEFAULTS = {
     ("bwd_dkdv", "sm_90", 64, True): _K(16, 64, 4, 2),
     ("bwd_dkdv", "sm_90", 128, False): _K(16, 64, 8, 2),
     ("bwd_dkdv", "sm_90", 128, True): _K(16, 64, 8, 2),
-    # At D = 256 the tiles whose products fill a warpgroup used local memory with dropout (up to 248 bytes on sm_90);
-    # these, narrower, are multiplied by warp-level HMMA (bench/NOTES.md section 58).
-    ("bwd_dkdv", "sm_80", 256, False): _K(16, 32, 8, 1),
-    ("bwd_dkdv", "sm_80", 256, True): _K(16, 32, 8, 1),
-    ("bwd_dq", "sm_90", 256, False): _K(32, 32, 8, 2),
 }
 
 
@@ -1203,22 +1198,13 @@ _PROGRAM_DEFAULTS = {
     ("fwd", "sm_90", 256, False): _K(128, 16, 8, 1),
     ("fwd", "sm_90", 256, True): _K(128, 16, 8, 1),
     ("fwd", "sm_80", 256, True): _K(64, 16, 8, 2),  # the table's (64, 32, 8, 2): 32 bytes
-    # The backward at D = 256 on narrow tiles (warp-level HMMA), as with dropout: up to 760 bytes at the table's.
-    ("bwd_dkdv", "sm_80", 256, False): _K(16, 32, 8, 1),
-    ("bwd_dkdv", "sm_80", 256, True): _K(16, 32, 8, 1),
-    ("bwd_dq", "sm_80", 256, False): _K(32, 32, 8, 2),
-    ("bwd_dq", "sm_80", 256, True): _K(32, 32, 8, 2),
-    ("bwd_dq", "sm_90", 256, False): _K(32, 32, 8, 2),
-    ("bwd_dq", "sm_90", 256, True): _K(32, 32, 8, 2),
-    ("bwd_dkdv", "sm_90", 256, True): _K(16, 32, 8, 1),  # the table's narrow tiles used 80 bytes through descriptors
 }
 
 
 # fp16/bf16 tiles on Blackwell (sm_100) where sm_90's default spills registers there, each compiled for sm_100 on
-# Triton 3.9 (bench/triton_report.py): no spills, tcgen05 products (UTCHMMA) kept but in the narrow tiles of D = 256
-# with a program (HMMA). Keyed (kernel, head dim of the
-# table), then the features a launch has all of (the first entry that matches): SCORES is a softcap, ALiBi or key
-# padding, the others constexprs of the kernels.
+# Triton 3.9 (bench/triton_report.py): no spills, tcgen05 products (UTCHMMA) kept (the narrow tiles of D = 256 with a
+# program, _NARROW_AT_256, are HMMA). Keyed (kernel, head dim of the table), then the features a launch has all of (the
+# first entry that matches): SCORES is a softcap, ALiBi or key padding, the others constexprs of the kernels.
 _BLACKWELL_DEFAULTS = {
     # sm_90's (128, 64, 4, 3) spills; with a program and dropout, (128, 32, 8, 3)'s descriptor variant does.
     ("fwd", 64): ((("SCORES",), _K(128, 32, 4, 3)), (("KV8",), _K(128, 32, 4, 3)),
@@ -1231,10 +1217,26 @@ _BLACKWELL_DEFAULTS = {
     ("bwd_dq", 128): ((("HAS_PROGRAM", "HAS_DROPOUT"), _K(64, 32, 8, 2)),),  # (64, 32, 4, 2) spills
     # An 8-bit cache: sm_90's (64, 32, 4, 2) used 40 to 72 bytes of stack.
     ("fwd", 256): ((("KV8",), _K(128, 16, 8, 1)),),
-    # Narrow tiles (warp-level HMMA) where a program needs them; elsewhere the tiles that fill a warpgroup compile
-    # without local memory here (dK/dV: 64 keys, which used 8 bytes on sm_90 even without dropout; dQ: 64 queries).
-    ("bwd_dkdv", 256): ((("HAS_PROGRAM",), _K(16, 32, 8, 1)), ((), _K(16, 64, 8, 2))),
-    ("bwd_dq", 256): ((("HAS_PROGRAM",), _K(32, 32, 8, 2)), (("HAS_DROPOUT",), _K(64, 16, 4, 2))),
+    # Without a program (_NARROW_AT_256) the tiles that fill a warpgroup compile without local memory here (dK/dV: 64
+    # keys, which used 8 bytes on sm_90 even without dropout; dQ: 64 queries).
+    ("bwd_dkdv", 256): (((), _K(16, 64, 8, 2)),),
+    ("bwd_dq", 256): ((("HAS_DROPOUT",), _K(64, 16, 4, 2)),),
+}
+
+
+# fp16/bf16 at a padded head dim of 256: the backward's tiles whose products fill a warpgroup used local memory with a
+# program (up to 760 bytes a thread) and, on some targets, with dropout (up to 248 bytes on sm_90; with a program and
+# dropout, sm_90's own narrow table tiles 80 bytes through descriptors). These, narrower and on one stage for dK/dV, are
+# multiplied by warp-level HMMA (bench/NOTES.md section 58). Keyed (kernel, arch): the features (as in
+# _BLACKWELL_DEFAULTS) under which a launch takes them, any one of the sets.
+_NARROW_TILES = {"bwd_dkdv": _K(16, 32, 8, 1), "bwd_dq": _K(32, 32, 8, 2)}
+_NARROW_AT_256 = {
+    ("bwd_dkdv", "sm_80"): (("HAS_PROGRAM",), ("HAS_DROPOUT",)),
+    ("bwd_dkdv", "sm_90"): (("HAS_PROGRAM", "HAS_DROPOUT"),),
+    ("bwd_dkdv", "sm_100"): (("HAS_PROGRAM",),),
+    ("bwd_dq", "sm_80"): (("HAS_PROGRAM",),),
+    ("bwd_dq", "sm_90"): (("HAS_PROGRAM",), ("HAS_DROPOUT",)),
+    ("bwd_dq", "sm_100"): (("HAS_PROGRAM",),),
 }
 
 
@@ -1330,6 +1332,9 @@ def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
     dim = min(dim for dim in _DEFAULTS[(kernel, "sm_90", 2)] if dim >= head_dim)
     if element_size == 2 and (old := _old_release_default(kernel, arch, dim, constexprs)) is not None:
         return old
+    if element_size == 2 and dim == 256 and \
+            _first_match(((features, True) for features in _NARROW_AT_256.get((kernel, arch), ())), constexprs):
+        return _NARROW_TILES[kernel]
     if arch == "sm_100":
         blackwell = _blackwell_default(kernel, dim, constexprs) if element_size == 2 else None
         return blackwell or default_config(kernel, "sm_90", head_dim, element_size, constexprs)
@@ -1784,15 +1789,28 @@ def _autotuned(kernel: str, descriptors: bool = False):
 # compile it with (masks, paged caches): the autotuner offers it only without them. The warp-specialized backward
 # and decode kernel (triton_decode) are compiled, and offered, for the same calls (the decode's with sinks too:
 # its combine folds them in).
-NOT_WARP_SPECIALIZED = ("SOFTCAP", "HAS_ALIBI", "HAS_KPM", "HAS_SINKS", "HAS_PROGRAM", "PAGED", "MASK_KIND")
+# By constexpr, as the registry names the feature.
+NOT_WARP_SPECIALIZED = {"SOFTCAP": "softcap", "HAS_ALIBI": "ALiBi slopes", "HAS_KPM": "key padding",
+                        "HAS_SINKS": "attention sinks", "HAS_PROGRAM": "a mask program", "PAGED": "a paged cache",
+                        "MASK_KIND": "an attn_mask"}
 # The widest padded head dim the warp-specialized variants are offered for: at 256 the forward's and dK/dV's used local
 # memory on sm_100 (336 and 16 bytes a thread at their default tiles; bench/NOTES.md section 58).
 WARP_SPECIALIZED_MAX_HEAD_DIM = 128
 
 
+def warp_specialization_refusal(constexprs: dict) -> str | None:
+    """Why a launch with `constexprs` (at least BLOCK_DQK and BLOCK_DV) is offered no warp-specialized variant, or
+    None: the autotuners' condition, and the registry's words for it."""
+    found = [name for constexpr, name in NOT_WARP_SPECIALIZED.items() if constexprs.get(constexpr)]
+    if found:
+        return f"{', '.join(found)}: its builds spilled registers with them or were not compiled with them"
+    if max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"]) > WARP_SPECIALIZED_MAX_HEAD_DIM:
+        return f"head dims over {WARP_SPECIALIZED_MAX_HEAD_DIM}: its builds used local memory there"
+    return None
+
+
 def warp_specializable(constexprs: dict) -> bool:
-    return not any(constexprs.get(name) for name in NOT_WARP_SPECIALIZED) \
-        and max(constexprs["BLOCK_DQK"], constexprs["BLOCK_DV"]) <= WARP_SPECIALIZED_MAX_HEAD_DIM
+    return warp_specialization_refusal(constexprs) is None
 
 
 DESCRIPTORS_VARIABLE = "FUSED_ATTN_TRITON_DESCRIPTORS"
@@ -1836,6 +1854,12 @@ PACKED_REFUSAL = "a packed batch: a sequence may be empty, and a TMA descriptor 
 FLOAT32_REFUSAL = "float32 tensors: the descriptor variants' fp32 builds use local memory; fp32 runs on pointers"
 
 
+def call_refusals(dtype: torch.dtype, paged: bool, packed: bool) -> list[str]:
+    """What of a call, its tensors' layouts aside, keeps the descriptor variants out (empty: nothing)."""
+    return [reason for reason, applies in ((PACKED_REFUSAL, packed), (PAGED_REFUSAL, paged),
+                                           (FLOAT32_REFUSAL, dtype == torch.float32)) if applies]
+
+
 def descriptors_unavailable(device: torch.device) -> str | None:
     """Why no call on `device` can run the tensor-descriptor variant, or None: the installed Triton, the device
     (TMA from DESCRIPTOR_CAPABILITY on; the interpreter runs them anywhere), an earlier failure to compile it."""
@@ -1863,12 +1887,7 @@ def descriptor_refusals(tensors: dict[str, torch.Tensor], pages: Pages | None = 
     reasons = []
     if (unavailable := descriptors_unavailable(first.device)) is not None:
         reasons.append(unavailable)
-    if first.dtype == torch.float32:
-        reasons.append(FLOAT32_REFUSAL)
-    if pages is not None:
-        reasons.append(PAGED_REFUSAL)
-    if sequences is not None:
-        reasons.append(PACKED_REFUSAL)
+    reasons += call_refusals(first.dtype, paged=pages is not None, packed=sequences is not None)
     for name, tensor in tensors.items():
         if (refusal := _layout_refusal(name, tensor)) is not None:
             reasons.append(refusal)
