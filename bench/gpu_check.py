@@ -5,9 +5,11 @@ pytest; checks each GPU backend against the float64 reference (`bench.check`); t
 `triton` and `cuda` backends against each SDPA kernel alone (flash, cuDNN, memory-efficient),
 FlexAttention under torch.compile and flash-attn (where `import flash_attn` works) over the grid of
 `gpu_plan`, forward and forward+backward, and one query against dense and paged caches (decode), every
-timed output checked against float64 (the forward's on rows of the first sequence). Writes JSON lines
-(one record per measurement, each with the run's provenance), a Markdown table and a PNG into the
-results directory, and prints a one-line verdict. Exit status 1 on any correctness failure (a test
+timed output checked against float64 (the forward's on rows of the first sequence), and what the triton
+backend's autotuners kept for each row (`fused_attn.backends.triton_tuning`: pointers, a descriptor or a
+warp-specialized variant, with the candidates' times). Writes JSON lines (one record per measurement and per
+tuning, each with the run's provenance), a Markdown table and a PNG into the results directory, and prints a
+one-line verdict. Exit status 1 on any correctness failure (a test
 run, a line of the check, an output beyond the error bound), else 0: slowness is reported, never
 failed. Without a CUDA device it says so in one line and exits 0.
 
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 import fused_attn
 from fused_attn import testing
+from fused_attn.backends import triton_tuning
 
 from . import check, report, sweep, timing
 from .__main__ import positive_int
@@ -311,6 +314,17 @@ def first_calls(runs: dict[str, Callable[[], object]], keep: Callable = lambda o
     return kept, refused
 
 
+def tuned_first_calls(runs: dict[str, Callable[[], object]], base: dict, keep: Callable = lambda out: out):
+    """`first_calls`, and a record ("autotune") per tuning the triton backend's autotuners made in them
+    (`triton_tuning.new_tunings`: the config each kept, pointers or a descriptor variant, and the candidates'
+    times), with the row's fields."""
+    before = triton_tuning.choices()
+    kept, refused = first_calls(runs, keep)
+    tunings = [{**base, "kind": "autotune", "row": base["kind"], **tuning}
+               for tuning in triton_tuning.new_tunings(before)]
+    return kept, refused, tunings
+
+
 def judge(records: list[dict], outputs: dict[str, torch.Tensor], exact: torch.Tensor, allowed: float) -> None:
     """Adds each measured record's error against float64, the bound and whether it holds (a record with
     "correct": False is a correctness failure of the run)."""
@@ -352,14 +366,15 @@ def measure_attention(plan: Plan, shape: sweep.Shape) -> list[dict]:
     records = []
     for direction in sweep.DIRECTIONS:
         runs = {name: sweep.runner(fn, q, k, v, shape.causal, direction, grad) for name, fn in impls.items()}
-        outputs, refused = first_calls(runs, lambda out: out[:1, :, rows] if direction == "fwd" else None)
-        samples = samples_of(plan, {name: run for name, run in runs.items() if name not in refused})
         base = {"kind": "attention", "direction": direction, "dtype": dtype_name(shape.dtype), "batch": shape.batch,
                 "heads": shape.heads, "length": shape.length, "head_dim": shape.head_dim, "causal": shape.causal}
+        outputs, refused, tunings = tuned_first_calls(runs, base,
+                                                      lambda out: out[:1, :, rows] if direction == "fwd" else None)
+        samples = samples_of(plan, {name: run for name, run in runs.items() if name not in refused})
         direction_records = measurement_records(samples, refused, base, shape.flops(direction))
         if direction == "fwd":
             judge(direction_records, outputs, exact, allowed)
-        records += direction_records
+        records += direction_records + tunings
     return records
 
 
@@ -373,14 +388,14 @@ def measure_decode(plan: Plan, shape: DecodeShape) -> list[dict]:
         exact = math(q.double(), keys.double(), values.double(), enable_gqa=True)
         allowed = testing.allowed_error("out", exact, math(q, keys, values, enable_gqa=True), shape.dtype)
         runs = decode_implementations(plan, shape, *inputs)
-        outputs, refused = first_calls(runs)
+        base = {"kind": "decode", "dtype": dtype_name(shape.dtype), "batch": shape.batch, "heads_q": shape.heads_q,
+                "heads_kv": shape.heads_kv, "length": shape.length, "head_dim": shape.head_dim,
+                "cache": "paged" if shape.paged else "dense", "block_size": shape.block_size if shape.paged else None}
+        outputs, refused, tunings = tuned_first_calls(runs, base)
         samples = samples_of(plan, {name: run for name, run in runs.items() if name not in refused})
-    base = {"kind": "decode", "dtype": dtype_name(shape.dtype), "batch": shape.batch, "heads_q": shape.heads_q,
-            "heads_kv": shape.heads_kv, "length": shape.length, "head_dim": shape.head_dim,
-            "cache": "paged" if shape.paged else "dense", "block_size": shape.block_size if shape.paged else None}
     records = measurement_records(samples, refused, base, shape.flops(), shape.cache_bytes())
     judge(records, outputs, exact, allowed)
-    return records
+    return records + tunings
 
 
 # -- tests, check, provenance -----------------------------------------------------------------------------------
@@ -473,6 +488,31 @@ def markdown_table(plan: Plan, records: list[dict], kind: str) -> list[str]:
     return lines
 
 
+def row_label(record: dict) -> str:
+    """The grid row a record belongs to, in a few words."""
+    if record.get("row", record.get("kind")) == "attention":
+        return (f"{record['dtype']} D={record['head_dim']}{' causal' if record['causal'] else ''} "
+                f"L={record['length']} {record['direction']}")
+    return f"{record['dtype']} {record['cache']} L_k={record['length']}"
+
+
+def autotune_lines(records: list[dict]) -> list[str]:
+    """The triton backend's autotuner choices: how often each variant won, then one line per tuning with the kept
+    config's time and the fastest pointer candidate's (where Triton kept the candidates' times)."""
+    tunings = [record for record in records if record.get("kind") == "autotune"]
+    if not tunings:
+        return []
+    won = collections.Counter(record["variant"] for record in tunings)
+    lines = ["## Triton autotuner choices", "",
+             f"{len(tunings)} tunings: " + ", ".join(f"{variant} kept in {count}" for variant, count in won.items())
+             + ". Times are the autotuner's own (`triton.testing.do_bench` medians, ms).", "",
+             "| row | autotuner | kept | kept ms | fastest pointers ms |", "|---|---|---|---|---|"]
+    lines += [f"| {row_label(record)} | {record['autotuner']} | {record['chosen']} | "
+              f"{_number(record.get('chosen_ms'))} | {_number(record.get('fastest_pointers_ms'))} |"
+              for record in tunings]
+    return lines + [""]
+
+
 def write_markdown(path: Path, plan: Plan, meta: dict, records: list[dict], verdict_line: str) -> None:
     title = f"# gpu-check: {meta['device_model']}"
     if plan.dry_run:
@@ -509,7 +549,7 @@ def write_markdown(path: Path, plan: Plan, meta: dict, records: list[dict], verd
     lines += [f"## Decode: µs per call, one query, B = {plan.decode_batch}, H_q = {heads_q}, H_kv = {heads_kv}", "",
               f"Paged: blocks of {plan.block_size} keys in shuffled order, read in place by fused_attn and "
               "flash-attn; SDPA and FlexAttention read the dense cache in both rows.", "",
-              *markdown_table(plan, records, "decode"), ""]
+              *markdown_table(plan, records, "decode"), "", *autotune_lines(records)]
     refused = collections.Counter((record["backend"], record["reason"]) for record in records
                                   if record.get("status") == "refused")
     if refused:

@@ -211,3 +211,71 @@ def test_flash_attn_gets_its_own_layouts(paged, monkeypatch):
     finally:
         sweep.flash_attn_function.cache_clear()
         gpu_check.flash_attn_kvcache_function.cache_clear()
+
+
+def test_triton_tuning_names_what_each_autotuner_kept(monkeypatch):
+    """triton_tuning against autotuners holding what Triton's do after tuning: the config kept per key, its variant,
+    and the candidates' times of the last tuning, given only where that tuning is the one new key."""
+    triton = pytest.importorskip("triton")
+    from fused_attn.backends import triton_tuning
+
+    monkeypatch.setattr(triton_tuning, "_tuners", {})
+    pointers = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "DESCRIPTORS": False, "WARP_SPECIALIZE": False},
+                             num_warps=4, num_stages=3)
+    described = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "DESCRIPTORS": True, "WARP_SPECIALIZE": False},
+                              num_warps=4, num_stages=3)
+    specialized = triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "DESCRIPTORS": True, "WARP_SPECIALIZE": True},
+                                num_warps=4, num_stages=3)
+    forward = types.SimpleNamespace(keys=["L_Q", "L_K"], cache={}, configs_timings={})
+    decode = types.SimpleNamespace(keys=["L_K"], cache={(4096, "torch.float16"): pointers})
+    triton_tuning.registered("fwd+descriptors", forward)
+    triton_tuning.registered("decode+descriptors", decode)
+    before = triton_tuning.choices()
+    assert before == {("decode+descriptors", (4096, "torch.float16")): "BLOCK_M=128,BLOCK_N=64,warps=4,stages=3"}
+    forward.cache[(2048, 2048, "torch.float16")] = described
+    forward.configs_timings = {pointers: [0.50, 0.49, 0.52], described: [0.40, 0.39, 0.41], specialized: 0.45}
+    [tuning] = triton_tuning.new_tunings(before)
+    assert tuning["autotuner"] == "fwd+descriptors" and tuning["variant"] == "descriptors"
+    assert tuning["key"] == {"L_Q": "2048", "L_K": "2048", "dtype0": "torch.float16"}
+    assert tuning["chosen"] == "BLOCK_M=128,BLOCK_N=64,warps=4,stages=3,descriptors"
+    assert tuning["chosen_ms"] == 0.40 and tuning["fastest_pointers_ms"] == 0.50
+    assert tuning["candidates_ms"]["BLOCK_M=128,BLOCK_N=64,warps=4,stages=3,descriptors,warp_specialized"] == 0.45
+    # Two keys tuned since: the last tuning's times belong to one of them only, so neither gets them.
+    forward.cache[(4096, 4096, "torch.float16")] = specialized
+    tunings = triton_tuning.new_tunings(before)
+    assert [t["variant"] for t in tunings] == ["descriptors", "warp_specialized"]
+    assert not any("chosen_ms" in t for t in tunings)
+
+
+def test_the_backend_registers_its_autotuners():
+    """The triton backend's autotuners are triton_tuning's, under their kernels' names, with the attributes it
+    reads."""
+    pytest.importorskip("triton")
+    from fused_attn.backends import triton_decode, triton_tuning
+    from fused_attn.backends import triton_kernels as tk
+
+    forward, decode = tk._autotuned("fwd", True), triton_decode._autotuned_decode(False)
+    assert triton_tuning._tuners["fwd+descriptors"] is forward and triton_tuning._tuners["decode+descriptors"] is decode
+    assert list(forward.keys) == tk.autotune_key("fwd") and isinstance(forward.cache, dict)
+
+
+def test_autotuner_choices_reach_the_records_and_the_report(monkeypatch, tmp_path):
+    """What the autotuners kept during a row's first calls becomes records of kind "autotune" with the row's fields,
+    a section of the Markdown, and no correctness failure."""
+    from fused_attn.backends import triton_tuning
+
+    plan = gpu_check.dry_run_plan()
+    tuning = {"autotuner": "decode+descriptors", "key": {"L_K": "64"}, "chosen": "warps=4,stages=2,descriptors",
+              "variant": "descriptors", "chosen_ms": 0.012, "fastest_pointers_ms": 0.015}
+    monkeypatch.setattr(triton_tuning, "new_tunings", lambda before: [tuning])
+    records = gpu_check.measure_decode(plan, gpu_check.decode_shapes(plan)[0])
+    [tuned] = [record for record in records if record["kind"] == "autotune"]
+    assert tuned["row"] == "decode" and tuned["length"] == plan.decode_lengths[0] and tuned["chosen_ms"] == 0.012
+    assert gpu_check.correctness_failures(plan, records) == []
+    lines = gpu_check.autotune_lines(records)
+    assert lines[2].startswith("1 tunings: descriptors kept in 1.")
+    assert any(line.startswith(f"| {gpu_check.row_label(tuned)} | decode+descriptors | warps=4,stages=2,descriptors "
+                               "| 0.012 | 0.015 |") for line in lines)
+    meta = gpu_check.provenance(plan)
+    gpu_check.write_markdown(tmp_path / "r.md", plan, meta, records, "verdict")
+    assert "## Triton autotuner choices" in (tmp_path / "r.md").read_text()

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..scores import PLAIN
-from . import triton_compat
+from . import triton_compat, triton_tuning
 from . import triton_kernels as tk
 
 MIN_KEYS_PER_SPLIT = 256
@@ -348,7 +348,8 @@ def _autotuned_decode(descriptors_only: bool):
 
     configs = [triton.Config(VARIANTS[name], num_warps=DECODE_WARPS, num_stages=DECODE_STAGES) for name in names]
     key = ["L_Q", "L_K", "GROUP", "D_QK", "D_V", "MASK_KIND", "HAS_KPM", "BANDED", "SOFTCAP", "HAS_ALIBI", "PRECISION"]
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(_attn_decode)
+    tuner = triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})(_attn_decode)
+    return triton_tuning.registered("decode+descriptors" + " only" * descriptors_only, tuner)
 
 
 # The variant `forced_variant` launches, bypassing the autotuner.

@@ -111,7 +111,7 @@ import triton.language as tl
 
 from .. import masks
 from ..scores import PLAIN, UNBOUNDED
-from . import triton_compat
+from . import triton_compat, triton_tuning
 
 logger = logging.getLogger("fused_attn")
 LOG2E = math.log2(math.e)
@@ -1780,8 +1780,9 @@ def _autotuned(kernel: str, descriptors: bool = False):
 
     # The autotuner adds the tensors' dtypes; the constexprs must be named, or a config tuned for
     # one head dim would be reused for another.
-    return triton.autotune(configs=[c.triton_config(kernel) for c in candidates], key=autotune_key(kernel),
-                           prune_configs_by={"early_config_prune": prune})(KERNELS[kernel])
+    tuner = triton.autotune(configs=[c.triton_config(kernel) for c in candidates], key=autotune_key(kernel),
+                            prune_configs_by={"early_config_prune": prune})(KERNELS[kernel])
+    return triton_tuning.registered(kernel + "+descriptors" * descriptors, tuner)
 
 
 # Launch features under which the warp-specialized forward spills registers on sm_100 (bench/triton_report.py: the
