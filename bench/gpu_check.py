@@ -318,7 +318,7 @@ def tuned_first_calls(runs: dict[str, Callable[[], object]], base: dict, keep: C
     """`first_calls`, and a record ("autotune") per tuning the triton backend's autotuners made in them
     (`triton_tuning.new_tunings`: the config each kept, pointers or a descriptor variant, and the candidates'
     times), with the row's fields."""
-    before = triton_tuning.choices()
+    before = triton_tuning.snapshot()
     kept, refused = first_calls(runs, keep)
     tunings = [{**base, "kind": "autotune", "row": base["kind"], **tuning}
                for tuning in triton_tuning.new_tunings(before)]

@@ -230,9 +230,12 @@ def test_triton_tuning_names_what_each_autotuner_kept(monkeypatch):
     decode = types.SimpleNamespace(keys=["L_K"], cache={(4096, "torch.float16"): pointers})
     triton_tuning.registered("fwd+descriptors", forward)
     triton_tuning.registered("decode+descriptors", decode)
-    before = triton_tuning.choices()
-    assert before == {("decode+descriptors", (4096, "torch.float16")): "BLOCK_M=128,BLOCK_N=64,warps=4,stages=3"}
+    before = triton_tuning.snapshot()
+    assert before["choices"] == {("decode+descriptors", (4096, "torch.float16")):
+                                 "BLOCK_M=128,BLOCK_N=64,warps=4,stages=3"}
     forward.cache[(2048, 2048, "torch.float16")] = described
+    # A tuning of one candidate (nothing timed) keeps the last tuning's times: they are not this key's.
+    assert "chosen_ms" not in triton_tuning.new_tunings(before)[0]
     forward.configs_timings = {pointers: [0.50, 0.49, 0.52], described: [0.40, 0.39, 0.41], specialized: 0.45}
     [tuning] = triton_tuning.new_tunings(before)
     assert tuning["autotuner"] == "fwd+descriptors" and tuning["variant"] == "descriptors"

@@ -3,7 +3,7 @@
 Every autotuner the triton backend makes (triton_kernels' long-query kernels, triton_decode's split-KV kernel) is
 registered here under a name. `choices` lists, for every problem each one has tuned, the config it kept: pointers, a
 tensor-descriptor (TMA) variant or a warp-specialized one. `new_tunings` gives the tunings made since an earlier
-`choices`, with each candidate's time where Triton still holds it, so that a benchmark on a GPU (bench.gpu_check)
+`snapshot`, with each candidate's time where Triton still holds it, so that a benchmark on a GPU (bench.gpu_check)
 can say which variant won and by how much: what a static report compiled without a GPU cannot tell.
 
 Nothing here imports Triton: the names and the autotuners' own attributes (`cache`: tuning key -> the config kept,
@@ -38,26 +38,34 @@ def choices() -> dict[tuple[str, tuple], str]:
             for key, config in list(tuner.cache.items())}
 
 
+def snapshot() -> dict:
+    """What the autotuners hold now, for `new_tunings`: their choices, and which times each holds (a tuning of a
+    single candidate, timed by no one, leaves the last tuning's in place)."""
+    return {"choices": choices(),
+            "timings": {name: id(getattr(tuner, "configs_timings", None)) for name, tuner in _tuners.items()}}
+
+
 def _milliseconds(timing) -> float:
     """A candidate's time as the autotuner holds it: do_bench's median, alone or first of its quantiles."""
     return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
 
 
-def new_tunings(before: dict[tuple[str, tuple], str]) -> list[dict]:
-    """The tunings made since `before` (a `choices()`): for each, the autotuner, its key by argument name (the
-    tensors' dtypes after them), the config kept and its variant. Where the autotuner's last tuning is this one (its
-    only new key), also each candidate's time (ms), the kept one's, and the fastest pointer candidate's."""
+def new_tunings(before: dict) -> list[dict]:
+    """The tunings made since `before` (a `snapshot()`): for each, the autotuner, its key by argument name (the
+    tensors' dtypes after them), the config kept and its variant. Where the autotuner's times are new and this is
+    its only new key, also each candidate's time (ms), the kept one's, and the fastest pointer candidate's."""
     tunings = []
     for name, tuner in _tuners.items():
-        new = [(key, config) for key, config in list(tuner.cache.items()) if (name, key) not in before]
+        new = [(key, config) for key, config in list(tuner.cache.items()) if (name, key) not in before["choices"]]
+        timings = getattr(tuner, "configs_timings", None) or {}
+        timed = len(new) == 1 and id(getattr(tuner, "configs_timings", None)) != before["timings"].get(name)
         for key, config in new:
             names = list(tuner.keys) + [f"dtype{i}" for i in range(len(key) - len(tuner.keys))]
             tuning = {"autotuner": name, "key": {n: str(value) for n, value in zip(names, key)},
                       "chosen": config_text(config),
                       "variant": next((word for switch, word in reversed(_VARIANT_SWITCHES.items())
                                        if config.kwargs.get(switch)), "pointers")}
-            timings = getattr(tuner, "configs_timings", None) or {}
-            if len(new) == 1 and config in timings:
+            if timed and config in timings:
                 times = {config_text(candidate): _milliseconds(timing) for candidate, timing in timings.items()}
                 pointers = [_milliseconds(timing) for candidate, timing in timings.items()
                             if not any(candidate.kwargs.get(switch) for switch in _VARIANT_SWITCHES)]
