@@ -6,8 +6,8 @@ pytest; checks each GPU backend against the float64 reference (`bench.check`); t
 FlexAttention under torch.compile and flash-attn (where `import flash_attn` works) over the grid of
 `gpu_plan`, forward and forward+backward, and one query against dense and paged caches (decode), every
 timed output checked against float64 (the forward's on rows of the first sequence), and what the triton
-backend's autotuners kept for each row (`fused_attn.backends.triton_tuning`: pointers, a descriptor or a
-warp-specialized variant, with the candidates' times). Writes JSON lines (one record per measurement and per
+backend's autotuners kept where a row's first calls tuned (`fused_attn.backends.triton_tuning`: pointers, a
+descriptor or a warp-specialized variant, with the candidates' times where Triton kept them for that tuning). Writes JSON lines (one record per measurement and per
 tuning, each with the run's provenance), a Markdown table and a PNG into the results directory, and prints a
 one-line verdict. Exit status 1 on any correctness failure (a test
 run, a line of the check, an output beyond the error bound), else 0: slowness is reported, never
@@ -316,11 +316,12 @@ def first_calls(runs: dict[str, Callable[[], object]], keep: Callable = lambda o
 
 def tuned_first_calls(runs: dict[str, Callable[[], object]], base: dict, keep: Callable = lambda out: out):
     """`first_calls`, and a record ("autotune") per tuning the triton backend's autotuners made in them
-    (`triton_tuning.new_tunings`: the config each kept, pointers or a descriptor variant, and the candidates'
-    times), with the row's fields."""
+    (`triton_tuning.new_tunings`: the config each kept, pointers, a descriptor or a warp-specialized variant, and
+    the candidates' times where Triton kept them for it), with the row's fields. A tuning made by an earlier row
+    (the forward of forward+backward, tuned by the forward row) is that row's."""
     before = triton_tuning.snapshot()
     kept, refused = first_calls(runs, keep)
-    tunings = [{**base, "kind": "autotune", "row": base["kind"], **tuning}
+    tunings = [{**base, "kind": "autotune", "row": base["kind"], "backend": "triton", **tuning}
                for tuning in triton_tuning.new_tunings(before)]
     return kept, refused, tunings
 

@@ -236,8 +236,13 @@ def test_triton_tuning_names_what_each_autotuner_kept(monkeypatch):
     forward.cache[(2048, 2048, "torch.float16")] = described
     # A tuning of one candidate (nothing timed) keeps the last tuning's times: they are not this key's.
     assert "chosen_ms" not in triton_tuning.new_tunings(before)[0]
-    forward.configs_timings = {pointers: [0.50, 0.49, 0.52], described: [0.40, 0.39, 0.41], specialized: 0.45}
+    failed = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "DESCRIPTORS": False, "WARP_SPECIALIZE": False},
+                           num_warps=4, num_stages=3)  # out of resources: Triton times it as infinite
+    forward.configs_timings = {pointers: [0.50, 0.49, 0.52], described: [0.40, 0.39, 0.41], specialized: 0.45,
+                               failed: [float("inf")] * 3}
     [tuning] = triton_tuning.new_tunings(before)
+    assert tuning["candidates_ms"]["BLOCK_M=128,BLOCK_N=128,warps=4,stages=3"] is None
+    json.dumps(tuning, allow_nan=False)
     assert tuning["autotuner"] == "fwd+descriptors" and tuning["variant"] == "descriptors"
     assert tuning["key"] == {"L_Q": "2048", "L_K": "2048", "dtype0": "torch.float16"}
     assert tuning["chosen"] == "BLOCK_M=128,BLOCK_N=64,warps=4,stages=3,descriptors"

@@ -1392,6 +1392,22 @@ def test_feature_tiles_are_reached_and_fit(table):
                 assert estimate <= tk.SHARED_MEMORY_LIMIT[target], (key, features)
 
 
+
+def test_narrow_tiles_at_256_are_reached_and_fit():
+    """Each feature set of _NARROW_AT_256 gives its launches the narrow tiles at head dim 256 (fp16/bf16, with a bias
+    gradient too for dK/dV), and they fit the device's shared memory with dropout's random bits counted; a launch
+    with none of the sets keeps other tiles."""
+    for (kernel, arch), feature_sets in tk._NARROW_AT_256.items():
+        narrow = tk._NARROW_TILES[kernel]
+        for features in feature_sets:
+            for grad in (False, True) if kernel == "bwd_dkdv" else (False,):
+                constexprs = dict(_launch_features(features), HAS_MASK_GRAD=grad)
+                if tk._old_release_default(kernel, arch, 256, constexprs) is None:
+                    assert tk.default_config(kernel, arch, 256, 2, constexprs) == narrow, (kernel, arch, features)
+        assert tk.default_config(kernel, arch, 256, 2, {}) != narrow or kernel == "bwd_dkdv" and arch == "sm_90"
+        estimate = tk.shared_memory_estimate(kernel, narrow, 256, 256, 2, dropout=True)
+        assert estimate <= tk.SHARED_MEMORY_LIMIT[arch], (kernel, arch)
+
 # ---------------------------------------------------------------------------------------------------
 # The tensor-descriptor variants (DESCRIPTORS: the forward's Q, K, V and O, the backward's Q, K, V, dO, dQ, dK and
 # dV through tl.make_tensor_descriptor, TMA on sm_90 and later), forced by FUSED_ATTN_TRITON_DESCRIPTORS=1 where a

@@ -1151,7 +1151,7 @@ def arch_of(capability: tuple[int, int]) -> str:
 # fp16/bf16 tiles for launches with dropout (and dK/dV writing a learned bias's gradient) where the
 # default spills registers on some supported Triton release: the random bits stay live beside the
 # scores. Each chosen by compiling candidates for its target on Triton 3.5 to 3.9
-# (bench/triton_report.py): no spills, tensor-core instructions kept (HGMMA on sm_90 but at D = 256). Keyed
+# (bench/triton_report.py): no spills, tensor-core instructions kept (HGMMA on sm_90). Keyed
 # (kernel, arch, head dim of the table, bias gradient).
 _DROPOUT_DEFAULTS = {
     ("fwd", "sm_90", 64, False): _K(128, 32, 4, 3),
@@ -1226,7 +1226,7 @@ _BLACKWELL_DEFAULTS = {
 
 # fp16/bf16 at a padded head dim of 256: the backward's tiles whose products fill a warpgroup used local memory with a
 # program (up to 760 bytes a thread) and, on some targets, with dropout (up to 248 bytes on sm_90; with a program and
-# dropout, sm_90's own narrow table tiles 80 bytes through descriptors). These, narrower and on one stage for dK/dV, are
+# dropout, sm_90's own narrow table tiles used 80 bytes through descriptors). These, narrower and on one stage for dK/dV, are
 # multiplied by warp-level HMMA (bench/NOTES.md section 58). Keyed (kernel, arch): the features (as in
 # _BLACKWELL_DEFAULTS) under which a launch takes them, any one of the sets.
 _NARROW_TILES = {"bwd_dkdv": _K(16, 32, 8, 1), "bwd_dq": _K(32, 32, 8, 2)}

@@ -12,6 +12,8 @@ Nothing here imports Triton: the names and the autotuners' own attributes (`cach
 
 from __future__ import annotations
 
+import math
+
 _tuners: dict[str, object] = {}
 
 # The constexprs that name a variant rather than a tile; written as words after the tiles.
@@ -45,9 +47,11 @@ def snapshot() -> dict:
             "timings": {name: id(getattr(tuner, "configs_timings", None)) for name, tuner in _tuners.items()}}
 
 
-def _milliseconds(timing) -> float:
-    """A candidate's time as the autotuner holds it: do_bench's median, alone or first of its quantiles."""
-    return float(timing[0] if isinstance(timing, (list, tuple)) else timing)
+def _milliseconds(timing) -> float | None:
+    """A candidate's time as the autotuner holds it (do_bench's median, alone or first of its quantiles), or None
+    where it did not run (Triton times a candidate that fails to compile or launch as infinite)."""
+    value = float(timing[0] if isinstance(timing, (list, tuple)) else timing)
+    return value if math.isfinite(value) else None
 
 
 def new_tunings(before: dict) -> list[dict]:
@@ -67,9 +71,9 @@ def new_tunings(before: dict) -> list[dict]:
                                        if config.kwargs.get(switch)), "pointers")}
             if timed and config in timings:
                 times = {config_text(candidate): _milliseconds(timing) for candidate, timing in timings.items()}
-                pointers = [_milliseconds(timing) for candidate, timing in timings.items()
+                pointers = [times[config_text(candidate)] for candidate in timings
                             if not any(candidate.kwargs.get(switch) for switch in _VARIANT_SWITCHES)]
                 tuning.update(candidates_ms=times, chosen_ms=_milliseconds(timings[config]),
-                              fastest_pointers_ms=min(pointers, default=None))
+                              fastest_pointers_ms=min((t for t in pointers if t is not None), default=None))
             tunings.append(tuning)
     return tunings
