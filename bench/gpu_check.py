@@ -7,9 +7,9 @@ FlexAttention under torch.compile and flash-attn (where `import flash_attn` work
 `gpu_plan`, forward and forward+backward, and one query against dense and paged caches (decode), every
 timed output checked against float64 (the forward's on rows of the first sequence), and what the triton
 backend's autotuners kept where a row's first calls tuned (`fused_attn.backends.triton_tuning`: pointers, a
-descriptor or a warp-specialized variant, with the candidates' times where Triton kept them for that tuning). Writes JSON lines (one record per measurement and per
-tuning, each with the run's provenance), a Markdown table and a PNG into the results directory, and prints a
-one-line verdict. Exit status 1 on any correctness failure (a test
+descriptor or a warp-specialized variant, with the candidates' times where Triton kept them for that tuning).
+Writes JSON lines (one record per measurement and per tuning, each with the run's provenance), a Markdown table
+and a PNG into the results directory, and prints a one-line verdict. Exit status 1 on any correctness failure (a test
 run, a line of the check, an output beyond the error bound), else 0: slowness is reported, never
 failed. Without a CUDA device it says so in one line and exits 0.
 

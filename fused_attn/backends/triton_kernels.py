@@ -1226,8 +1226,8 @@ _BLACKWELL_DEFAULTS = {
 
 # fp16/bf16 at a padded head dim of 256: the backward's tiles whose products fill a warpgroup used local memory with a
 # program (up to 760 bytes a thread) and, on some targets, with dropout (up to 248 bytes on sm_90; with a program and
-# dropout, sm_90's own narrow table tiles used 80 bytes through descriptors). These, narrower and on one stage for dK/dV, are
-# multiplied by warp-level HMMA (bench/NOTES.md section 58). Keyed (kernel, arch): the features (as in
+# dropout, sm_90's own narrow table tiles used 80 bytes through descriptors). These, narrower and on one stage for
+# dK/dV, are multiplied by warp-level HMMA (bench/NOTES.md section 58). Keyed (kernel, arch): the features (as in
 # _BLACKWELL_DEFAULTS) under which a launch takes them, any one of the sets.
 _NARROW_TILES = {"bwd_dkdv": _K(16, 32, 8, 1), "bwd_dq": _K(32, 32, 8, 2)}
 _NARROW_AT_256 = {

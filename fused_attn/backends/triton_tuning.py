@@ -44,7 +44,7 @@ def snapshot() -> dict:
     """What the autotuners hold now, for `new_tunings`: their choices, and which times each holds (a tuning of a
     single candidate, timed by no one, leaves the last tuning's in place)."""
     return {"choices": choices(),
-            "timings": {name: id(getattr(tuner, "configs_timings", None)) for name, tuner in _tuners.items()}}
+            "timings": {name: getattr(tuner, "configs_timings", None) for name, tuner in _tuners.items()}}
 
 
 def _milliseconds(timing) -> float | None:
@@ -61,8 +61,9 @@ def new_tunings(before: dict) -> list[dict]:
     tunings = []
     for name, tuner in _tuners.items():
         new = [(key, config) for key, config in list(tuner.cache.items()) if (name, key) not in before["choices"]]
-        timings = getattr(tuner, "configs_timings", None) or {}
-        timed = len(new) == 1 and id(getattr(tuner, "configs_timings", None)) != before["timings"].get(name)
+        held = getattr(tuner, "configs_timings", None)
+        timings = held or {}
+        timed = len(new) == 1 and held is not before["timings"].get(name)  # Triton replaces the dict when it times
         for key, config in new:
             names = list(tuner.keys) + [f"dtype{i}" for i in range(len(key) - len(tuner.keys))]
             tuning = {"autotuner": name, "key": {n: str(value) for n, value in zip(names, key)},
