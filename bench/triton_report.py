@@ -1,7 +1,7 @@
 """Static GPU report of the `triton` backend, made without a GPU.
 
 Every kernel is compiled at its default configs (forward; backward preprocess, dK/dV and dQ; fp16 and bf16; head dims
-64 and 128, and from Triton 3.9 on sm_90 and sm_100 fp32 at 128 and bf16 at 256 (WIDER); causal and not, causal with
+64 and 128, and from Triton 3.7 on sm_90 and sm_100 fp32 at 128 and bf16 at 256 (WIDER); causal and not, causal with
 dropout, causal with every score variant of fused_attn.scores at once (a sliding window aligned bottom-right, softcap,
 ALiBi, attention sinks) with key padding, the same with dropout over a packed batch of sequences (fused_attn.varlen;
 the preprocess too), the same with a mask program (fused_attn.masks) without and with dropout (forward, dK/dV, dQ),
@@ -88,12 +88,12 @@ def config_arch(target: str) -> str:
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 # Beyond those, on the targets with TMA, as (dtype, head dim): fp32 (products on FMA units, tiles of its own) and the
-# widest head dim, with Triton 3.9 on, the release their tiles were chosen on (the older ones' are fp16 and bf16 at
-# HEAD_DIMS: triton_kernels._OLD_RELEASE_DEFAULTS); `--dtypes float32 --head-dims 64 128 256 --wider` compiles the rest
-# (bench/NOTES.md section 58).
+# widest head dim, from Triton 3.7 on, the oldest release whose builds of them were compiled (3.7.1 and 3.8.0 with tiles
+# of their own: triton_kernels._OLD_RELEASE_DEFAULTS and _FLOAT32_OLD_RELEASE_DEFAULTS); `--dtypes float32 --head-dims
+# 64 128 256 --wider` compiles the rest (bench/NOTES.md sections 58 and 62).
 WIDER = (("float32", 128), ("bfloat16", 256))
 WIDER_TARGETS = ("sm_90", "sm_100")
-WIDER_FROM = (3, 9)
+WIDER_FROM = (3, 7)
 
 
 def wider_shapes() -> tuple[tuple[str, int], ...]:

@@ -1385,12 +1385,26 @@ def test_feature_tiles_are_reached_and_fit(table):
         for features, config in entries:
             constexprs = _launch_features(features)
             for target in archs:
-                if size == 2 and tk._old_release_default(kernel, target, dim, constexprs) is not None:
+                if tk._old_release_default(kernel, target, dim, size, constexprs) is not None:
                     continue  # the installed Triton's own tiles (_OLD_RELEASE_DEFAULTS) come first
                 assert tk.default_config(kernel, target, dim, size, constexprs) == config, (key, features, target)
                 estimate = tk.shared_memory_estimate(kernel, config, dim, dim, size, "HAS_DROPOUT" in features)
                 assert estimate <= tk.SHARED_MEMORY_LIMIT[target], (key, features)
 
+
+
+@pytest.mark.parametrize("table, size", [("_OLD_RELEASE_DEFAULTS", 2), ("_FLOAT32_OLD_RELEASE_DEFAULTS", 4)])
+def test_old_release_tiles_are_reached_and_fit(table, size, monkeypatch):
+    """On the release just before the one an entry names, the entry is what a launch with its features gets (no
+    earlier entry of its key that holds on that release shadows it), and fits the device's shared memory with
+    dropout's random bits counted."""
+    for (kernel, arch, dim), entries in getattr(tk, table).items():
+        for features, (major, minor), config in entries:
+            monkeypatch.setattr(tk.triton_compat, "older_than", lambda release: release > (major, minor - 1))
+            constexprs = _launch_features(features)
+            assert tk.default_config(kernel, arch, dim, size, constexprs) == config, (table, kernel, arch, features)
+            estimate = tk.shared_memory_estimate(kernel, config, dim, dim, size, "HAS_DROPOUT" in features)
+            assert estimate <= tk.SHARED_MEMORY_LIMIT[arch], (table, kernel, arch, features)
 
 
 def test_narrow_tiles_at_256_are_reached_and_fit():
@@ -1402,8 +1416,7 @@ def test_narrow_tiles_at_256_are_reached_and_fit():
         for features in feature_sets:
             for grad in (False, True) if kernel == "bwd_dkdv" else (False,):
                 constexprs = dict(_launch_features(features), HAS_MASK_GRAD=grad)
-                if tk._old_release_default(kernel, arch, 256, constexprs) is None:
-                    assert tk.default_config(kernel, arch, 256, 2, constexprs) == narrow, (kernel, arch, features)
+                assert tk.default_config(kernel, arch, 256, 2, constexprs) == narrow, (kernel, arch, features)
         assert tk.default_config(kernel, arch, 256, 2, {}) != narrow or kernel == "bwd_dkdv" and arch == "sm_90"
         estimate = tk.shared_memory_estimate(kernel, narrow, 256, 256, 2, dropout=True)
         assert estimate <= tk.SHARED_MEMORY_LIMIT[arch], (kernel, arch)

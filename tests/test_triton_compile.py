@@ -62,7 +62,7 @@ def rows(static_gpu_report):
 def test_report_compiles_what_launches_take():
     """The rows are the launches the backend makes: no descriptor variant in fp32, no warp-specialized one above head
     dim 128, no decode kernel above triton_decode.MAX_HEAD_DIM; fp32 at 128 and bf16 at 256 on the targets with TMA
-    from Triton 3.9 on (WIDER_FROM), and on no other."""
+    from Triton 3.7 on (WIDER_FROM), and on no other."""
     from fused_attn.backends import triton_compat, triton_decode
 
     shapes = {(target, dtype, head_dim) for _, target, dtype, head_dim, *_ in COMBINATIONS}

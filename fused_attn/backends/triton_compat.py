@@ -139,8 +139,8 @@ def warp_specialization() -> bool:
 @functools.cache
 def older_than(version: tuple[int, int]) -> bool:
     """Whether the installed Triton is older than `version`, (major, minor): some launches then take tiles of their own
-    (`triton_kernels._OLD_RELEASE_DEFAULTS`, where its register allocation spills at the tiles chosen on newer
-    releases). A Triton no metadata names counts as new."""
+    (`triton_kernels._OLD_RELEASE_DEFAULTS` and `_FLOAT32_OLD_RELEASE_DEFAULTS`, where its register allocation spills
+    at the tiles chosen on newer releases). A Triton no metadata names counts as new."""
     found = release()
     return found is not None and found < version
 

@@ -1271,6 +1271,43 @@ _OLD_RELEASE_DEFAULTS = {
     ("bwd_dkdv", "sm_80", 128): ((("HAS_PROGRAM", "HAS_DROPOUT"), (3, 8), _K(32, 32, 8, 2)),),
     # A program with dropout spilled at the Blackwell table's (16, 64, 4, 2) on 3.5.1 (5, at 128 registers).
     ("bwd_dkdv", "sm_100", 64): ((("HAS_PROGRAM", "HAS_DROPOUT"), (3, 6), _K(32, 64, 4, 2)),),
+    # At D = 256 (bench/NOTES.md section 62): on 3.7.1 a program at the table's (64, 32, 8, 2) used 16 bytes of stack,
+    # with dropout at (64, 16, 8, 2) 8.
+    ("fwd", "sm_80", 256): ((("HAS_PROGRAM",), (3, 8), _K(64, 16, 8, 1)),),
+    # A program with dropout at (128, 16, 8, 1) used 48 bytes on 3.7.1 and 56 on 3.8.0, dropout at the table's
+    # (64, 32, 4, 2) 32 and 48, a paged cache 8. sm_100 takes these too, each release its own: 3.7.1's descriptor
+    # forward with dropout used 8 bytes there at 3.8.0's tiles, and 3.8.0's 8 to 24 at 3.7.1's.
+    ("fwd", "sm_90", 256): ((("HAS_PROGRAM",), (3, 8), _K(64, 16, 8, 1)), (("HAS_DROPOUT",), (3, 8), _K(64, 32, 8, 2)),
+                            (("PAGED",), (3, 8), _K(64, 32, 8, 2)), (("HAS_PROGRAM",), (3, 9), _K(64, 16, 8, 2)),
+                            (("HAS_DROPOUT",), (3, 9), _K(64, 16, 8, 2)), (("PAGED",), (3, 9), _K(64, 16, 8, 2))),
+    ("bwd_dq", "sm_100", 256): ((("HAS_DROPOUT",), (3, 8), _K(64, 16, 8, 2)),),  # (64, 16, 4, 2): 8 bytes
+}
+
+
+# fp32's own entries of the same kind: launches whose tiles (_FLOAT32_DEFAULTS, or the table's) used local memory on
+# Triton 3.7.1 or 3.8.0 (bench/NOTES.md section 62), keyed and matched as _OLD_RELEASE_DEFAULTS; sm_100 takes sm_90's
+# where it has none. The bytes of stack at the newer tiles are given for each.
+_FLOAT32_OLD_RELEASE_DEFAULTS = {
+    ("fwd", "sm_80", 64): ((("HAS_PROGRAM",), (3, 8), _K(64, 16, 8, 1)),),  # 16-24
+    ("bwd_dkdv", "sm_80", 64): ((("HAS_DROPOUT",), (3, 8), _K(16, 64, 8, 1)),),  # 64
+    ("bwd_dq", "sm_80", 64): ((("VARLEN", "HAS_DROPOUT"), (3, 8), _K(16, 32, 8, 1)),),  # 16
+    ("bwd_dkdv", "sm_80", 128): ((("HAS_MASK_GRAD", "HAS_DROPOUT"), (3, 8), _K(16, 64, 8, 1)),),  # 40
+    ("fwd", "sm_80", 256): ((("HAS_PROGRAM",), (3, 8), _K(16, 16, 8, 1)),),  # 32
+    ("bwd_dkdv", "sm_80", 256): ((("HAS_DROPOUT",), (3, 8), _K(16, 16, 4, 1)),),  # 8-864
+    ("fwd", "sm_90", 64): ((("KV8",), (3, 8), _K(32, 32, 4, 1)),  # 160-168
+                           (("HAS_PROGRAM",), (3, 9), _K(32, 32, 8, 2))),  # 16-24
+    ("bwd_dkdv", "sm_90", 64): ((("HAS_PROGRAM",), (3, 9), _K(32, 32, 8, 1)),  # 24-32
+                                (("VARLEN", "HAS_DROPOUT"), (3, 8), _K(32, 32, 8, 1))),  # 32
+    ("bwd_dq", "sm_90", 64): ((("HAS_PROGRAM",), (3, 9), _K(64, 16, 8, 1)),),  # 24 on 3.8.0
+    ("fwd", "sm_90", 128): ((("KV8",), (3, 8), _K(32, 16, 4, 1)),),  # 568-624
+    # An 8-bit cache keeps _FLOAT32_DEFAULTS' tiles; the score variants and a paged cache used 2.2 to 7.7 KiB, and on
+    # 3.5.1 the table's (32, 16, 4, 2) 32 to 1032 bytes without them.
+    ("fwd", "sm_90", 256): ((("KV8",), (3, 8), _K(16, 16, 4, 1)), (("HAS_PROGRAM",), (3, 8), _K(16, 16, 8, 1)),  # 24
+                            (("SCORES",), (3, 8), _K(32, 16, 8, 1)), (("PAGED",), (3, 8), _K(32, 16, 8, 1)),
+                            ((), (3, 6), _K(32, 16, 8, 1))),
+    ("bwd_dkdv", "sm_100", 64): ((("HAS_PROGRAM",), (3, 9), _K(32, 32, 4, 2)),),  # 32; sm_90's used 24 on 3.7.1
+    ("bwd_dq", "sm_100", 64): ((("HAS_PROGRAM",), (3, 8), _K(32, 32, 8, 2)),),  # 8; sm_90's 24 on 3.7.1
+    ("bwd_dkdv", "sm_100", 128): ((("HAS_DROPOUT",), (3, 8), _K(16, 32, 8, 2)),),  # 232-328
 }
 
 
@@ -1316,10 +1353,12 @@ def _blackwell_default(kernel: str, dim: int, constexprs: dict | None) -> Kernel
     return _first_match(_BLACKWELL_DEFAULTS.get((kernel, dim), ()), constexprs)
 
 
-def _old_release_default(kernel: str, arch: str, dim: int, constexprs: dict | None) -> KernelConfig | None:
+def _old_release_default(kernel: str, arch: str, dim: int, element_size: int,
+                         constexprs: dict | None) -> KernelConfig | None:
     """The tiles of `kernel` on `arch` for a launch with `constexprs` where the installed Triton is older than the
-    release an entry of `_OLD_RELEASE_DEFAULTS` names, or None."""
-    entries = _OLD_RELEASE_DEFAULTS.get((kernel, arch, dim), ())
+    release an entry of `_OLD_RELEASE_DEFAULTS` (fp32: `_FLOAT32_OLD_RELEASE_DEFAULTS`) names, or None."""
+    table = _OLD_RELEASE_DEFAULTS if element_size == 2 else _FLOAT32_OLD_RELEASE_DEFAULTS
+    entries = table.get((kernel, arch, dim), ())
     return _first_match(((features, config) for features, release, config in entries
                          if triton_compat.older_than(release)), constexprs)
 
@@ -1330,11 +1369,11 @@ def default_config(kernel: str, arch: str, head_dim: int, element_size: int,
     the features of the launch (its constexprs: a mask program, dropout, a bias gradient and packed
     batches with dropout have tiles of their own, and so have some launches on older Triton releases)."""
     dim = min(dim for dim in _DEFAULTS[(kernel, "sm_90", 2)] if dim >= head_dim)
-    if element_size == 2 and (old := _old_release_default(kernel, arch, dim, constexprs)) is not None:
-        return old
     if element_size == 2 and dim == 256 and \
             _first_match(((features, True) for features in _NARROW_AT_256.get((kernel, arch), ())), constexprs):
         return _NARROW_TILES[kernel]
+    if (old := _old_release_default(kernel, arch, dim, element_size, constexprs)) is not None:
+        return old
     if arch == "sm_100":
         blackwell = _blackwell_default(kernel, dim, constexprs) if element_size == 2 else None
         return blackwell or default_config(kernel, "sm_90", head_dim, element_size, constexprs)
