@@ -88,9 +88,9 @@ def config_arch(target: str) -> str:
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 # Beyond those, on the targets with TMA, as (dtype, head dim): fp32 (products on FMA units, tiles of its own) and the
-# widest head dim, from Triton 3.7 on, the oldest release whose builds of them were compiled (3.7.1 and 3.8.0 with tiles
-# of their own: triton_kernels._OLD_RELEASE_DEFAULTS and _FLOAT32_OLD_RELEASE_DEFAULTS); `--dtypes float32 --head-dims
-# 64 128 256 --wider` compiles the rest (bench/NOTES.md sections 58 and 62).
+# widest head dim, from Triton 3.7 on, the oldest release whose builds of them are free of local memory (3.7.1 and 3.8.0
+# with tiles of their own: triton_kernels._OLD_RELEASE_DEFAULTS and _FLOAT32_OLD_RELEASE_DEFAULTS); `--dtypes float32
+# --head-dims 64 128 256 --wider` compiles the rest (bench/NOTES.md sections 58 and 62).
 WIDER = (("float32", 128), ("bfloat16", 256))
 WIDER_TARGETS = ("sm_90", "sm_100")
 WIDER_FROM = (3, 7)

@@ -1375,18 +1375,17 @@ def _launch_features(features) -> dict:
 
 
 @pytest.mark.parametrize("table", ["_FLOAT32_DEFAULTS", "_BLACKWELL_DEFAULTS"])
-def test_feature_tiles_are_reached_and_fit(table):
-    """Every entry of the feature-keyed tables is what a launch with its features gets (no earlier entry of its
-    key shadows it), on its generation and, for sm_90's fp32 entries, on sm_100's, and fits the device's shared
-    memory (dropout's random bits counted)."""
+def test_feature_tiles_are_reached_and_fit(table, monkeypatch):
+    """Every entry of the feature-keyed tables is what a launch with its features gets on the newest Triton (no
+    earlier entry of its key shadows it), on its generation and, for sm_90's fp32 entries, on sm_100's, and fits the
+    device's shared memory (dropout's random bits counted)."""
+    monkeypatch.setattr(tk.triton_compat, "older_than", lambda release: False)
     for key, entries in getattr(tk, table).items():
         kernel, *arch, dim = key
         size, archs = (4, [arch[0]] + ["sm_100"] * (arch[0] == "sm_90")) if arch else (2, ["sm_100"])
         for features, config in entries:
             constexprs = _launch_features(features)
             for target in archs:
-                if tk._old_release_default(kernel, target, dim, size, constexprs) is not None:
-                    continue  # the installed Triton's own tiles (_OLD_RELEASE_DEFAULTS) come first
                 assert tk.default_config(kernel, target, dim, size, constexprs) == config, (key, features, target)
                 estimate = tk.shared_memory_estimate(kernel, config, dim, dim, size, "HAS_DROPOUT" in features)
                 assert estimate <= tk.SHARED_MEMORY_LIMIT[target], (key, features)
@@ -1396,15 +1395,20 @@ def test_feature_tiles_are_reached_and_fit(table):
 @pytest.mark.parametrize("table, size", [("_OLD_RELEASE_DEFAULTS", 2), ("_FLOAT32_OLD_RELEASE_DEFAULTS", 4)])
 def test_old_release_tiles_are_reached_and_fit(table, size, monkeypatch):
     """On the release just before the one an entry names, the entry is what a launch with its features gets (no
-    earlier entry of its key that holds on that release shadows it), and fits the device's shared memory with
-    dropout's random bits counted."""
+    earlier entry of its key that holds on that release shadows it), on its generation and, for sm_90's, on sm_100
+    where neither its own entries nor Blackwell's tiles come first, and fits the device's shared memory with dropout's
+    random bits counted."""
     for (kernel, arch, dim), entries in getattr(tk, table).items():
         for features, (major, minor), config in entries:
             monkeypatch.setattr(tk.triton_compat, "older_than", lambda release: release > (major, minor - 1))
             constexprs = _launch_features(features)
-            assert tk.default_config(kernel, arch, dim, size, constexprs) == config, (table, kernel, arch, features)
-            estimate = tk.shared_memory_estimate(kernel, config, dim, dim, size, "HAS_DROPOUT" in features)
-            assert estimate <= tk.SHARED_MEMORY_LIMIT[arch], (table, kernel, arch, features)
+            inherited = arch == "sm_90" and tk._old_release_default(kernel, "sm_100", dim, size, constexprs) is None \
+                and (size > 2 or tk._blackwell_default(kernel, dim, constexprs) is None)
+            for target in [arch] + ["sm_100"] * inherited:
+                assert tk.default_config(kernel, target, dim, size, constexprs) == config, (table, kernel, target,
+                                                                                           features)
+                estimate = tk.shared_memory_estimate(kernel, config, dim, dim, size, "HAS_DROPOUT" in features)
+                assert estimate <= tk.SHARED_MEMORY_LIMIT[target], (table, kernel, target, features)
 
 
 def test_narrow_tiles_at_256_are_reached_and_fit():

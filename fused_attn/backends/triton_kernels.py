@@ -1357,7 +1357,7 @@ def _old_release_default(kernel: str, arch: str, dim: int, element_size: int,
                          constexprs: dict | None) -> KernelConfig | None:
     """The tiles of `kernel` on `arch` for a launch with `constexprs` where the installed Triton is older than the
     release an entry of `_OLD_RELEASE_DEFAULTS` (fp32: `_FLOAT32_OLD_RELEASE_DEFAULTS`) names, or None."""
-    table = _OLD_RELEASE_DEFAULTS if element_size == 2 else _FLOAT32_OLD_RELEASE_DEFAULTS
+    table = _FLOAT32_OLD_RELEASE_DEFAULTS if element_size > 2 else _OLD_RELEASE_DEFAULTS
     entries = table.get((kernel, arch, dim), ())
     return _first_match(((features, config) for features, release, config in entries
                          if triton_compat.older_than(release)), constexprs)
