@@ -1061,56 +1061,75 @@ inline RowEnd<acc_t> finish_row(const Params& p, int64_t h, acc_t m, acc_t l, ac
 // Dropout (csrc/dropout.h): the random integers of a row's keys k0 .. k0 + n, then the row with the
 // dropped entries zeroed and, where asked, the kept ones scaled.
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// A Philox block per 64-bit lane, its counter words in the lanes' low halves: vpmuludq multiplies the
+// low halves into whole 64-bit products, so a product is the next low word as it stands and, its halves
+// swapped (vpshufd, the shuffle port), the next high word; the high halves the rounds leave behind are
+// never read. No permutation puts halves back into 32-bit lanes (bench/NOTES.md, section 64).
 #if defined(CPU_CAPABILITY_AVX512)
-// Sixteen 32-bit lanes (blocks) per register.
 using PhiloxLanes = __m512i;
 inline __m512i splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
 inline __m512i xor3(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
-
-// vpmuludq multiplies the even lanes into 64-bit products; the odd lanes, shifted down, take a second
-// one; one two-source permutation per half puts the halves back into 32-bit lanes (on the shuffle
-// port, while the products and shifts keep the other one busy).
-inline void mul_hi_lo(__m512i a, __m512i multiplier, __m512i& hi, __m512i& lo) {
-  // Lane 2k of the result from product k of `even`, lane 2k + 1 from product k of `odd` (index 16+).
-  const __m512i low_halves = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-  const __m512i high_halves = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  const __m512i even = _mm512_mul_epu32(a, multiplier);
-  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), multiplier);
-  hi = _mm512_permutex2var_epi32(even, high_halves, odd);
-  lo = _mm512_permutex2var_epi32(even, low_halves, odd);
+inline __m512i products(__m512i a, __m512i multiplier) { return _mm512_mul_epu32(a, multiplier); }
+inline __m512i swap_halves(__m512i x) { return _mm512_shuffle_epi32(x, _MM_PERM_CDAB); }
+// Blocks block0 + first, block0 + first + 2, ...: one register of even blocks, one of odd ones.
+inline __m512i every_other_block(uint32_t block0, int first) {
+  return _mm512_add_epi64(_mm512_set1_epi64(block0 + first), _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14));
 }
-#elif defined(CPU_CAPABILITY_AVX2)
-// Eight lanes per register; AVX2 has no two-source dword permutation across 128-bit lanes, so the
-// halves go back into place by shifts and blends.
+// [a, b] in each 64-bit lane: a's low half, b's low half moved up.
+inline __m512i pair_words(__m512i a, __m512i b) { return _mm512_mask_shuffle_epi32(a, 0xAAAA, b, _MM_PERM_CDAB); }
+inline __m512i low_pairs(__m512i a, __m512i b) { return _mm512_unpacklo_epi64(a, b); }
+inline __m512i high_pairs(__m512i a, __m512i b) { return _mm512_unpackhi_epi64(a, b); }
+#else
 using PhiloxLanes = __m256i;
 inline __m256i splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
 inline __m256i xor3(__m256i a, __m256i b, __m256i c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
-
-inline void mul_hi_lo(__m256i a, __m256i multiplier, __m256i& hi, __m256i& lo) {
-  const __m256i even = _mm256_mul_epu32(a, multiplier);
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), multiplier);
-  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+inline __m256i products(__m256i a, __m256i multiplier) { return _mm256_mul_epu32(a, multiplier); }
+inline __m256i swap_halves(__m256i x) { return _mm256_shuffle_epi32(x, 0xB1); }
+inline __m256i every_other_block(uint32_t block0, int first) {
+  return _mm256_add_epi64(_mm256_set1_epi64x(block0 + first), _mm256_setr_epi64x(0, 2, 4, 6));
 }
+inline __m256i pair_words(__m256i a, __m256i b) { return _mm256_blend_epi32(a, swap_halves(b), 0xAA); }
+inline __m256i low_pairs(__m256i a, __m256i b) { return _mm256_unpacklo_epi64(a, b); }
+inline __m256i high_pairs(__m256i a, __m256i b) { return _mm256_unpackhi_epi64(a, b); }
 #endif
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// The ten rounds of csrc/dropout.h on a register of blocks (one lane each), the word of the counter
-// in c0 .. c3.
-inline void philox_rounds(PhiloxLanes& c0, PhiloxLanes& c1, PhiloxLanes& c2, PhiloxLanes& c3, uint32_t key0,
-                          uint32_t key1) {
-  const PhiloxLanes m0 = splat(0xD2511F53u), m1 = splat(0xCD9E8D57u);
+// One round of csrc/dropout.h on counter words c[0] .. c[3], round key (k0, k1).
+inline void philox_lanes_round(PhiloxLanes (&c)[4], PhiloxLanes k0, PhiloxLanes k1) {
+  const PhiloxLanes product0 = products(c[0], splat(0xD2511F53u)), product1 = products(c[2], splat(0xCD9E8D57u));
+  c[0] = xor3(swap_halves(product1), c[1], k0);
+  c[2] = xor3(swap_halves(product0), c[3], k1);
+  c[1] = product1;
+  c[3] = product0;
+}
+
+// The ten rounds on the even blocks' words and the odd ones': two registers of independent blocks in
+// flight.
+inline void philox_rounds(PhiloxLanes (&even)[4], PhiloxLanes (&odd)[4], uint32_t key0, uint32_t key1) {
   for (int round = 0; round < fused_attn::kPhiloxRounds; ++round) {
-    PhiloxLanes hi0, lo0, hi1, lo1;
-    mul_hi_lo(c0, m0, hi0, lo0);
-    mul_hi_lo(c2, m1, hi1, lo1);
-    c0 = xor3(hi1, c1, splat(key0));
-    c2 = xor3(hi0, c3, splat(key1));
-    c1 = lo1;
-    c3 = lo0;
+    const PhiloxLanes k0 = splat(key0), k1 = splat(key1);
+    philox_lanes_round(even, k0, k1);
+    philox_lanes_round(odd, k0, k1);
     key0 += fused_attn::kPhiloxKeyBump0;
     key1 += fused_attn::kPhiloxKeyBump1;
   }
+}
+
+// The rounds of blocks block0 + 0 .. block0 + 2 W - 1 (W blocks a register), the counter's other words
+// the same in all; the words of a block then in one 128-bit lane ([w0, w1, w2, w3]), in the order x:
+// blocks 0, 4, ..; y: 2, 6, ..; z: 1, 5, ..; w: 3, 7, ..
+inline void philox_block_lanes(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset, uint32_t key0,
+                               uint32_t key1, PhiloxLanes& x, PhiloxLanes& y, PhiloxLanes& z, PhiloxLanes& w) {
+  PhiloxLanes even[4] = {every_other_block(block0, 0), splat(query), splat(batch_head), splat(offset)};
+  PhiloxLanes odd[4] = {every_other_block(block0, 1), even[1], even[2], even[3]};
+  philox_rounds(even, odd, key0, key1);
+  // [w0, w1] and [w2, w3] of each block in one 64-bit lane, then a block's four words in one 128-bit lane.
+  const PhiloxLanes even01 = pair_words(even[0], even[1]), even23 = pair_words(even[2], even[3]);
+  const PhiloxLanes odd01 = pair_words(odd[0], odd[1]), odd23 = pair_words(odd[2], odd[3]);
+  x = low_pairs(even01, even23);
+  y = high_pairs(even01, even23);
+  z = low_pairs(odd01, odd23);
+  w = high_pairs(odd01, odd23);
 }
 #endif
 
@@ -1119,17 +1138,11 @@ inline void philox_rounds(PhiloxLanes& c0, PhiloxLanes& c1, PhiloxLanes& c2, Phi
 #if defined(CPU_CAPABILITY_AVX512)
 inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
                              uint32_t key0, uint32_t key1, uint32_t* keys) {
-  __m512i c0 = _mm512_add_epi32(splat(block0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  __m512i c1 = splat(query), c2 = splat(batch_head), c3 = splat(offset);
-  philox_rounds(c0, c1, c2, c3, key0, key1);
-  // Interleave into key order: within each 128-bit lane, the four words of blocks 4k .. 4k+3 ...
-  const __m512i t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
-  const __m512i t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
-  const __m512i u0 = _mm512_unpacklo_epi64(t0, t2), u1 = _mm512_unpackhi_epi64(t0, t2);
-  const __m512i u2 = _mm512_unpacklo_epi64(t1, t3), u3 = _mm512_unpackhi_epi64(t1, t3);
-  // ... u_r holds blocks r, 4 + r, 8 + r, 12 + r; a 4x4 transpose of 128-bit lanes puts them in order.
-  const __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44), v1 = _mm512_shuffle_i32x4(u2, u3, 0x44);
-  const __m512i v2 = _mm512_shuffle_i32x4(u0, u1, 0xEE), v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+  __m512i x, y, z, w;  // 128-bit lane j: blocks 4 j, 4 j + 2, 4 j + 1, 4 j + 3
+  philox_block_lanes(block0, query, batch_head, offset, key0, key1, x, y, z, w);
+  // A 4x4 transpose of 128-bit lanes puts the blocks in order.
+  const __m512i v0 = _mm512_shuffle_i32x4(x, z, 0x44), v1 = _mm512_shuffle_i32x4(y, w, 0x44);
+  const __m512i v2 = _mm512_shuffle_i32x4(x, z, 0xEE), v3 = _mm512_shuffle_i32x4(y, w, 0xEE);
   _mm512_storeu_si512(keys, _mm512_shuffle_i32x4(v0, v1, 0x88));
   _mm512_storeu_si512(keys + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
   _mm512_storeu_si512(keys + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
@@ -1138,20 +1151,14 @@ inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_hea
 #elif defined(CPU_CAPABILITY_AVX2)
 inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
                              uint32_t key0, uint32_t key1, uint32_t* keys) {
-  for (int half = 0; half < 2; ++half) {
-    __m256i c0 = _mm256_add_epi32(splat(block0 + 8 * half), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    __m256i c1 = splat(query), c2 = splat(batch_head), c3 = splat(offset);
-    philox_rounds(c0, c1, c2, c3, key0, key1);
-    // u_r holds blocks r and 4 + r (one per 128-bit lane); the lanes are then put in order.
-    const __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
-    const __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
-    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  for (uint32_t half = 0; half < 2; ++half) {
+    __m256i x, y, z, w;  // 128-bit lane j: blocks 4 j, 4 j + 2, 4 j + 1, 4 j + 3 of the half's eight
+    philox_block_lanes(block0 + 8 * half, query, batch_head, offset, key0, key1, x, y, z, w);
     auto* out = reinterpret_cast<__m256i*>(keys + 32 * half);
-    _mm256_storeu_si256(out, _mm256_permute2x128_si256(u0, u1, 0x20));
-    _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(u2, u3, 0x20));
-    _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(u0, u1, 0x31));
-    _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(u2, u3, 0x31));
+    _mm256_storeu_si256(out, _mm256_permute2x128_si256(x, z, 0x20));
+    _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(y, w, 0x20));
+    _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(x, z, 0x31));
+    _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(y, w, 0x31));
   }
 }
 #else
