@@ -1210,9 +1210,11 @@ inline void drop_row(T* row, const uint32_t* bits, int64_t n, uint32_t threshold
   for (int64_t j = 0; j < n; ++j) row[j] = bits[j] < threshold ? T(0) : row[j];
 }
 
+// The select before the product: with the product in the select's arm, GCC 12 leaves the AVX2 copy's loop
+// scalar behind a branch per key ("control flow in loop"; bench/NOTES.md, section 65). 0 · kept is 0.
 template <typename T>
 inline void drop_and_scale_row(T* row, const uint32_t* bits, int64_t n, uint32_t threshold, T kept) {
-  for (int64_t j = 0; j < n; ++j) row[j] = bits[j] < threshold ? T(0) : row[j] * kept;
+  for (int64_t j = 0; j < n; ++j) row[j] = (bits[j] < threshold ? T(0) : row[j]) * kept;
 }
 
 // ---------------------------------------------------------------------------------------------
