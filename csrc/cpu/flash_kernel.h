@@ -1072,6 +1072,8 @@ inline __m512i splat(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x))
 inline __m512i xor3(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
 inline __m512i products(__m512i a, __m512i multiplier) { return _mm512_mul_epu32(a, multiplier); }
 inline __m512i swap_halves(__m512i x) { return _mm512_shuffle_epi32(x, _MM_PERM_CDAB); }
+// Four registers of blocks in flight hide the products' latency (bench/NOTES.md, section 66).
+constexpr int kPhiloxRegisters = 4, kBlocksPerRegister = 8;
 // Blocks block0 + first, block0 + first + 2, ...: one register of even blocks, one of odd ones.
 inline __m512i every_other_block(uint32_t block0, int first) {
   return _mm512_add_epi64(_mm512_set1_epi64(block0 + first), _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14));
@@ -1080,8 +1082,19 @@ inline __m512i every_other_block(uint32_t block0, int first) {
 inline __m512i pair_words(__m512i a, __m512i b) { return _mm512_mask_shuffle_epi32(a, 0xAAAA, b, _MM_PERM_CDAB); }
 inline __m512i low_pairs(__m512i a, __m512i b) { return _mm512_unpacklo_epi64(a, b); }
 inline __m512i high_pairs(__m512i a, __m512i b) { return _mm512_unpackhi_epi64(a, b); }
+// Lanes x, y, z, w of block_lanes stored as sixteen blocks in order: a 4x4 transpose of 128-bit lanes.
+inline void store_in_block_order(__m512i x, __m512i y, __m512i z, __m512i w, uint32_t* keys) {
+  const __m512i v0 = _mm512_shuffle_i32x4(x, z, 0x44), v1 = _mm512_shuffle_i32x4(y, w, 0x44);
+  const __m512i v2 = _mm512_shuffle_i32x4(x, z, 0xEE), v3 = _mm512_shuffle_i32x4(y, w, 0xEE);
+  _mm512_storeu_si512(keys, _mm512_shuffle_i32x4(v0, v1, 0x88));
+  _mm512_storeu_si512(keys + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
+  _mm512_storeu_si512(keys + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
+  _mm512_storeu_si512(keys + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
+}
 #else
 using PhiloxLanes = __m256i;
+// Two registers: four words of four would overflow AVX2's sixteen.
+constexpr int kPhiloxRegisters = 2, kBlocksPerRegister = 4;
 inline __m256i splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
 inline __m256i xor3(__m256i a, __m256i b, __m256i c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
 inline __m256i products(__m256i a, __m256i multiplier) { return _mm256_mul_epu32(a, multiplier); }
@@ -1092,6 +1105,14 @@ inline __m256i every_other_block(uint32_t block0, int first) {
 inline __m256i pair_words(__m256i a, __m256i b) { return _mm256_blend_epi32(a, swap_halves(b), 0xAA); }
 inline __m256i low_pairs(__m256i a, __m256i b) { return _mm256_unpacklo_epi64(a, b); }
 inline __m256i high_pairs(__m256i a, __m256i b) { return _mm256_unpackhi_epi64(a, b); }
+// Lanes x, y, z, w of block_lanes stored as eight blocks in order.
+inline void store_in_block_order(__m256i x, __m256i y, __m256i z, __m256i w, uint32_t* keys) {
+  auto* out = reinterpret_cast<__m256i*>(keys);
+  _mm256_storeu_si256(out, _mm256_permute2x128_si256(x, z, 0x20));
+  _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(y, w, 0x20));
+  _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(x, z, 0x31));
+  _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(y, w, 0x31));
+}
 #endif
 
 // One round of csrc/dropout.h on counter words c[0] .. c[3], round key (k0, k1).
@@ -1103,26 +1124,20 @@ inline void philox_lanes_round(PhiloxLanes (&c)[4], PhiloxLanes k0, PhiloxLanes 
   c[3] = product0;
 }
 
-// The ten rounds on the even blocks' words and the odd ones': two registers of independent blocks in
-// flight.
-inline void philox_rounds(PhiloxLanes (&even)[4], PhiloxLanes (&odd)[4], uint32_t key0, uint32_t key1) {
+// The ten rounds on kPhiloxRegisters registers of independent blocks.
+inline void philox_rounds(PhiloxLanes (&c)[kPhiloxRegisters][4], uint32_t key0, uint32_t key1) {
   for (int round = 0; round < fused_attn::kPhiloxRounds; ++round) {
     const PhiloxLanes k0 = splat(key0), k1 = splat(key1);
-    philox_lanes_round(even, k0, k1);
-    philox_lanes_round(odd, k0, k1);
+    for (int r = 0; r < kPhiloxRegisters; ++r) philox_lanes_round(c[r], k0, k1);
     key0 += fused_attn::kPhiloxKeyBump0;
     key1 += fused_attn::kPhiloxKeyBump1;
   }
 }
 
-// The rounds of blocks block0 + 0 .. block0 + 2 W - 1 (W blocks a register), the counter's other words
-// the same in all; the words of a block then in one 128-bit lane ([w0, w1, w2, w3]), in the order x:
-// blocks 0, 4, ..; y: 2, 6, ..; z: 1, 5, ..; w: 3, 7, ..
-inline void philox_block_lanes(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset, uint32_t key0,
-                               uint32_t key1, PhiloxLanes& x, PhiloxLanes& y, PhiloxLanes& z, PhiloxLanes& w) {
-  PhiloxLanes even[4] = {every_other_block(block0, 0), splat(query), splat(batch_head), splat(offset)};
-  PhiloxLanes odd[4] = {every_other_block(block0, 1), even[1], even[2], even[3]};
-  philox_rounds(even, odd, key0, key1);
+// The words of an even register's blocks and the next odd one's, after the rounds, as one 128-bit lane a block
+// ([w0, w1, w2, w3]) in the order x: blocks 0, 4, ..; y: 2, 6, ..; z: 1, 5, ..; w: 3, 7, .. of the pair's.
+inline void block_lanes(const PhiloxLanes (&even)[4], const PhiloxLanes (&odd)[4], PhiloxLanes& x, PhiloxLanes& y,
+                        PhiloxLanes& z, PhiloxLanes& w) {
   // [w0, w1] and [w2, w3] of each block in one 64-bit lane, then a block's four words in one 128-bit lane.
   const PhiloxLanes even01 = pair_words(even[0], even[1]), even23 = pair_words(even[2], even[3]);
   const PhiloxLanes odd01 = pair_words(odd[0], odd[1]), odd23 = pair_words(odd[2], odd[3]);
@@ -1131,40 +1146,35 @@ inline void philox_block_lanes(uint32_t block0, uint32_t query, uint32_t batch_h
   z = low_pairs(odd01, odd23);
   w = high_pairs(odd01, odd23);
 }
-#endif
 
-// Philox4x32-10 on sixteen blocks whose counters differ in the first word only (block0 + 0 .. 15),
-// written to `keys` in key order: output c of block i is key 4 i + c.
-#if defined(CPU_CAPABILITY_AVX512)
-inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
-                             uint32_t key0, uint32_t key1, uint32_t* keys) {
-  __m512i x, y, z, w;  // 128-bit lane j: blocks 4 j, 4 j + 2, 4 j + 1, 4 j + 3
-  philox_block_lanes(block0, query, batch_head, offset, key0, key1, x, y, z, w);
-  // A 4x4 transpose of 128-bit lanes puts the blocks in order.
-  const __m512i v0 = _mm512_shuffle_i32x4(x, z, 0x44), v1 = _mm512_shuffle_i32x4(y, w, 0x44);
-  const __m512i v2 = _mm512_shuffle_i32x4(x, z, 0xEE), v3 = _mm512_shuffle_i32x4(y, w, 0xEE);
-  _mm512_storeu_si512(keys, _mm512_shuffle_i32x4(v0, v1, 0x88));
-  _mm512_storeu_si512(keys + 16, _mm512_shuffle_i32x4(v0, v1, 0xDD));
-  _mm512_storeu_si512(keys + 32, _mm512_shuffle_i32x4(v2, v3, 0x88));
-  _mm512_storeu_si512(keys + 48, _mm512_shuffle_i32x4(v2, v3, 0xDD));
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
-                             uint32_t key0, uint32_t key1, uint32_t* keys) {
-  for (uint32_t half = 0; half < 2; ++half) {
-    __m256i x, y, z, w;  // 128-bit lane j: blocks 4 j, 4 j + 2, 4 j + 1, 4 j + 3 of the half's eight
-    philox_block_lanes(block0 + 8 * half, query, batch_head, offset, key0, key1, x, y, z, w);
-    auto* out = reinterpret_cast<__m256i*>(keys + 32 * half);
-    _mm256_storeu_si256(out, _mm256_permute2x128_si256(x, z, 0x20));
-    _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(y, w, 0x20));
-    _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(x, z, 0x31));
-    _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(y, w, 0x31));
+constexpr int kPhiloxBlocks = kPhiloxRegisters * kBlocksPerRegister;
+
+// Philox4x32-10 on kPhiloxBlocks blocks whose counters differ in the first word only (block0 + 0, 1, ..),
+// written to `keys` in key order: output c of block i is key 4 i + c. Register pair j holds blocks
+// block0 + 2 W j + 0 .. 2 W - 1 (W blocks a register), evens in the first.
+inline void philox_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset, uint32_t key0,
+                          uint32_t key1, uint32_t* keys) {
+  constexpr int kPairBlocks = 2 * kBlocksPerRegister;
+  PhiloxLanes c[kPhiloxRegisters][4];
+  for (int r = 0; r < kPhiloxRegisters; ++r) {
+    c[r][0] = every_other_block(block0 + kPairBlocks * (r / 2), r % 2);
+    c[r][1] = splat(query);
+    c[r][2] = splat(batch_head);
+    c[r][3] = splat(offset);
+  }
+  philox_rounds(c, key0, key1);
+  for (int pair = 0; pair < kPhiloxRegisters / 2; ++pair) {
+    PhiloxLanes x, y, z, w;  // 128-bit lane j: the pair's blocks 4 j, 4 j + 2, 4 j + 1, 4 j + 3
+    block_lanes(c[2 * pair], c[2 * pair + 1], x, y, z, w);
+    store_in_block_order(x, y, z, w, keys + 4 * kPairBlocks * pair);
   }
 }
 #else
-inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset,
-                             uint32_t key0, uint32_t key1, uint32_t* keys) {
-  constexpr int kBlocks = 16;
+constexpr int kPhiloxBlocks = 16;
+
+inline void philox_blocks(uint32_t block0, uint32_t query, uint32_t batch_head, uint32_t offset, uint32_t key0,
+                          uint32_t key1, uint32_t* keys) {
+  constexpr int kBlocks = kPhiloxBlocks;
   uint32_t c0[kBlocks], c1[kBlocks], c2[kBlocks], c3[kBlocks];
   for (int i = 0; i < kBlocks; ++i) {
     c0[i] = block0 + static_cast<uint32_t>(i);
@@ -1182,10 +1192,10 @@ inline void philox_16_blocks(uint32_t block0, uint32_t query, uint32_t batch_hea
 }
 #endif
 
-// One Philox block per four keys, sixteen blocks (64 keys) at a time; k0 need not be a multiple of 4.
+// One Philox block per four keys, kPhiloxBlocks blocks at a time; k0 need not be a multiple of 4.
 inline void dropout_row_bits(const fused_attn::DropoutParams& d, int64_t batch_head, int64_t query, int64_t k0,
                              int64_t n, uint32_t* bits) {
-  constexpr int kBlocks = 16;
+  constexpr int kBlocks = kPhiloxBlocks;
   query += d.query_start;  // the stream's positions (csrc/dropout.h)
   k0 += d.key_start;
   const int64_t first_block = k0 / 4, end_block = (k0 + n + 3) / 4;
@@ -1195,8 +1205,8 @@ inline void dropout_row_bits(const fused_attn::DropoutParams& d, int64_t batch_h
     const bool whole = from == 4 * block0 && to == 4 * (block0 + kBlocks);
     alignas(64) uint32_t buffer[4 * kBlocks];
     uint32_t* keys = whole ? bits + (from - k0) : buffer;
-    philox_16_blocks(static_cast<uint32_t>(block0), static_cast<uint32_t>(query), static_cast<uint32_t>(batch_head),
-                     d.offset, static_cast<uint32_t>(d.seed), static_cast<uint32_t>(d.seed >> 32), keys);
+    philox_blocks(static_cast<uint32_t>(block0), static_cast<uint32_t>(query), static_cast<uint32_t>(batch_head),
+                  d.offset, static_cast<uint32_t>(d.seed), static_cast<uint32_t>(d.seed >> 32), keys);
     if (!whole) {
       std::memcpy(bits + (from - k0), buffer + (from - 4 * block0), static_cast<size_t>(to - from) * sizeof(uint32_t));
     }
