@@ -1093,7 +1093,7 @@ inline void store_in_block_order(__m512i x, __m512i y, __m512i z, __m512i w, uin
 }
 #else
 using PhiloxLanes = __m256i;
-// Two registers: four words of four would overflow AVX2's sixteen.
+// Two registers of blocks: four, at four words each, would take all sixteen of AVX2's registers.
 constexpr int kPhiloxRegisters = 2, kBlocksPerRegister = 4;
 inline __m256i splat(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
 inline __m256i xor3(__m256i a, __m256i b, __m256i c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
