@@ -118,7 +118,7 @@ EXPERIMENTS = {
                      [("top_left", "bottom_right", "top-left / bottom-right"),
                       ("full", "bottom_right", "non-causal / bottom-right")]),
     "cap_alibi": ((4, 8, 2048, 2048, 64), lambda: cap_alibi_candidates(8),
-                  [("softcap", "plain", "softcap / plain (target ≤ 1.15)"),
+                  [("softcap", "plain", "softcap / plain (target ≤ 1.10)"),
                    ("alibi", "plain", "ALiBi / plain (target ≤ 1.15)")]),
     "sinks": ((4, 8, 2048, 2048, 64), lambda: sink_candidates(8),
               [("sinks", "plain", "sinks / plain (target ≤ 1.05)")]),

@@ -330,6 +330,18 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
   }
 }
 
+// The larger of a and b lane by lane, where a lane with a NaN may give either: vmaxps alone, without
+// at::vec::maximum's test for unordered lanes (four instructions where one does).
+template <typename T>
+inline Vectorized<T> max_of_numbers(const Vectorized<T>& a, const Vectorized<T>& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return _mm256_max_ps(a, b);
+#endif
+  return at::vec::maximum(a, b);
+}
+
 // Largest of s[0..n).
 template <typename acc_t>
 acc_t row_max_of(const acc_t* s, int64_t n) {
@@ -560,51 +572,77 @@ inline Vectorized<acc_t> reciprocal_of(Vectorized<acc_t> d) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// 2^t for -64 <= t <= 64 within 3 ulp: vreduceps gives t's fraction, a degree-5 polynomial (fitted to
-// 2^f on [0, 1], relative error 7.5e-8) its power, vscalefps applies the integer part. Half the
-// instructions of ATen's exp_u20, which also handles what t never is here (large, -inf, NaN).
+// 2^t for -64 <= t <= 64: vreduceps gives t's fraction f, a polynomial in f (fitted to 2^f on [0, 1] for the
+// least largest relative error) its power, vscalefps applies the integer part. Degree 5 is within 3 ulp
+// (7.5e-8); degree 4 within 2.7e-6, far below the 2^-9 a 16-bit weight resolves. Half the instructions of
+// ATen's exp_u20, which also handles what t never is here (large, -inf, NaN).
+template <int kDegree>
 inline Vectorized<float> exp2_bounded(Vectorized<float> t) {
+  static_assert(kDegree == 4 || kDegree == 5);
   const __m512 fraction = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);
-  __m512 p = _mm512_fmadd_ps(fraction, _mm512_set1_ps(0.0018775766f), _mm512_set1_ps(0.0089893406f));
-  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.055826318f));
-  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.24015361f));
-  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.69315308f));
-  p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.99999994f));
+  __m512 p;
+  if constexpr (kDegree == 5) {
+    p = _mm512_fmadd_ps(fraction, _mm512_set1_ps(0.0018775766f), _mm512_set1_ps(0.0089893406f));
+    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.055826318f));
+    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.24015361f));
+    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.69315308f));
+    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.99999994f));
+  } else {
+    p = _mm512_fmadd_ps(fraction, _mm512_set1_ps(0.013541007f), _mm512_set1_ps(0.051998407f));
+    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.24145016f));
+    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.69300270f));
+    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(1.0000026f));
+  }
   return _mm512_scalef_ps(p, t);
 }
 #endif
 
-// tanh(x) = (1 - e) / (1 + e) with e = exp(-2x), several times cheaper than Sleef's tanh. On AVX512,
-// e from exp2_bounded with its exponent clamped to ±64, which leaves tanh at ±1 in float past
-// |x| = 22 and keeps the sign without a test; elsewhere e = exp(-2|x|) from ATen's exp_u20 and the sign
-// of x put back. float64 keeps Sleef's tanh.
+// What capped_tanh's argument is x times: the factor of the exp inside it, which the caller folds into its
+// own scale. AVX512: e = 2^(x · -2 log2 e) = exp(-2x); elsewhere exp(-|2x|).
 template <typename acc_t>
-inline Vectorized<acc_t> tanh_of(Vectorized<acc_t> x) {
+constexpr acc_t tanh_argument_scale() {
+  if constexpr (!std::is_same_v<acc_t, float>) return acc_t(1);
+#if defined(CPU_CAPABILITY_AVX512)
+  return -2.8853900817779268f;
+#else
+  return 2.f;
+#endif
+}
+
+// cap · tanh(x), given u = x · tanh_argument_scale(): cap · (1 - e) / (1 + e) with e = exp(-2x), the cap
+// inside the numerator's FMA, several times cheaper than Sleef's tanh. On AVX512, e from exp2_bounded with u
+// clamped to ±64, which leaves tanh at ±1 in float past |x| = 22, keeps the sign without a test and keeps
+// vscalefps from underflowing (a microcode assist); elsewhere e = exp(-|2x|) from ATen's exp_u20 and the sign
+// of x put back. `kCoarse`: the exp polynomial of degree 4, for scores that feed 16-bit weights. float64
+// keeps Sleef's tanh.
+template <bool kCoarse, typename acc_t>
+inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap) {
   using V = Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
 #if defined(CPU_CAPABILITY_AVX512)
-    const V e = exp2_bounded(at::vec::clamp(x * V(-2.8853900817779268f), V(-64.f), V(64.f)));
-    return (V(1.f) - e) * reciprocal_of<acc_t>(V(1.f) + e);
+    const V e = exp2_bounded<kCoarse ? 4 : 5>(at::vec::clamp(u, V(-64.f), V(64.f)));
+    return at::vec::fnmadd(cap, e, cap) * reciprocal_of<acc_t>(V(1.f) + e);
 #else
-    const V e = (x.abs() * V(-2.f)).exp_u20();
-    const V magnitude = (V(1.f) - e) * reciprocal_of<acc_t>(V(1.f) + e);
-    return magnitude | (x & V(-0.f));  // the sign of x on a non-negative magnitude
+    const V e = (u | V(-0.f)).exp_u20();  // the sign bit set: exp(-|u|)
+    const V magnitude = at::vec::fnmadd(cap, e, cap) * reciprocal_of<acc_t>(V(1.f) + e);
+    return magnitude | (u & V(-0.f));  // the sign of x on a non-negative magnitude
 #endif
   } else {
-    return x.tanh();
+    return cap * u.tanh();
   }
 }
 
 // The score variant of one row in one pass: s[i] = cap(s[i] * scale) - slope * |distance0 - i|,
 // where distance0 is the first key's distance from the query's diagonal; with `cap_grad`, also the
 // cap's derivative 1 - tanh² for the backward. Compiled per combination, so the loop holds only what
-// the call has. Returns the row maximum.
-template <bool kCapped, bool kAlibi, typename acc_t>
+// the call has. Returns the row maximum; NaN scores may be left out of it, since their weights are NaN
+// whatever the maximum is.
+template <bool kCapped, bool kAlibi, bool kCoarse, typename acc_t>
 acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope, acc_t distance0, acc_t* cap_grad) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
-  // Capped, the scale and the division by the cap are one multiply.
-  const V vscale(kCapped ? scale / softcap : scale), cap(softcap), vslope(slope);
+  // Capped, the scale, the division by the cap and capped_tanh's factor are one multiply.
+  const V vscale(kCapped ? scale / softcap * tanh_argument_scale<acc_t>() : scale), cap(softcap), vslope(slope);
   // The distances of the vector's lanes, moved W keys along per vector.
   V distance = V(distance0) - V::arange(acc_t(0), acc_t(1));
   V vmax(neg_inf<acc_t>());
@@ -612,9 +650,13 @@ acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope,
     const int64_t count = std::min<int64_t>(W, n - i);
     V x = V::loadu(s + i, count) * vscale;
     if constexpr (kCapped) {
-      const V t = tanh_of<acc_t>(x);
-      x = cap * t;
-      if (cap_grad != nullptr) at::vec::fnmadd(t, t, V(acc_t(1))).store(cap_grad + i, count);
+      if (cap_grad == nullptr) {
+        x = capped_tanh<kCoarse>(x, cap);
+      } else {
+        const V t = capped_tanh<kCoarse>(x, V(acc_t(1)));
+        at::vec::fnmadd(t, t, V(acc_t(1))).store(cap_grad + i, count);
+        x = cap * t;
+      }
     }
     if constexpr (kAlibi) {
       x = at::vec::fnmadd(vslope, distance.abs(), x);
@@ -622,9 +664,9 @@ acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope,
     }
     x.store(s + i, count);
     // Lanes past n must not reach the maximum.
-    vmax = at::vec::maximum(vmax, count == W ? x : V::set(V(neg_inf<acc_t>()), x, count));
+    vmax = max_of_numbers(vmax, count == W ? x : V::set(V(neg_inf<acc_t>()), x, count));
   }
-  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return at::vec::maximum(a, b); }, vmax);
+  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return max_of_numbers(a, b); }, vmax);
 }
 
 // Scores of one row, keys k0 .. k0 + n, as the softmax takes them (fused_attn/scores.py):
@@ -638,15 +680,16 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
   const acc_t softcap = static_cast<acc_t>(p.softcap);
   const acc_t slope = alibi ? static_cast<const float*>(p.alibi.data)[b * p.alibi.s[0] + h * p.alibi.s[1]] : 0.f;
   const acc_t distance0 = static_cast<acc_t>(qi + p.diagonal - k0);
+  constexpr bool kCoarse = sizeof(scalar_t) == 2;  // the weights these scores feed are bf16 or fp16
   acc_t row_max;
   if (capped && alibi) {
-    row_max = variant_pass<true, true>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<true, true, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
   } else if (capped) {
-    row_max = variant_pass<true, false>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<true, false, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
   } else if (alibi) {
-    row_max = variant_pass<false, true>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<false, true, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
   } else {
-    row_max = variant_pass<false, false>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<false, false, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
   }
   if (p.mask_kind == MaskKind::None && p.key_padding.data == nullptr) return row_max;
   if (p.mask_kind != MaskKind::None) {
