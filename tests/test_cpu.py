@@ -264,6 +264,19 @@ def test_fully_hidden_rows_give_zero_output_minus_inf_lse_zero_gradients(generat
     assert all(torch.all(grad == 0) for grad in grads)
 
 
+@pytest.mark.parametrize("variant", ["plain", "softcap", "alibi"])
+def test_a_nan_key_in_float32_gives_the_references_rows(generator, variant):
+    """A NaN in one key makes each score of its head's rows NaN; the rows' maximum must carry it (the variants' pass
+    keeps NaN beside its maximum's chain), so that they come out as the reference's do, and the other head's do not
+    change. float32 only: in bf16 the kernel's rows come out NaN where the reference's are zeros."""
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=generator) for _ in range(3))
+    k[0, 0, 7, 3] = float("nan")
+    options = {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25])}}[variant]
+    out = fused_attn.attention(q, k, v, backend="cpu", **options)
+    expected = fused_attn.attention(q, k, v, backend="reference", **options)
+    torch.testing.assert_close(out, expected, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rows_with_extreme_maxima_meet_criterion(generator, small_blocks, dtype):
     check_extreme_maxima(generator, dtype)

@@ -330,17 +330,38 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
   }
 }
 
-// The larger of a and b lane by lane, where a lane with a NaN may give either: vmaxps alone, without
-// at::vec::maximum's test for unordered lanes (four instructions where one does).
+// The running maximum of a row's scores, NaN once any of them is NaN (the softmax then takes the row as one that
+// sees no key, as the reference's amax does). On AVX512, vmaxps alone in the maximum's chain and a compare into a
+// mask register beside it, where at::vec::maximum puts four vector instructions into the chain (bench/NOTES.md
+// section 67); elsewhere at::vec::maximum.
 template <typename T>
-inline Vectorized<T> max_of_numbers(const Vectorized<T>& a, const Vectorized<T>& b) {
+class RunningMax {
+ public:
+  void add(const Vectorized<T>& x) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) return _mm512_max_ps(a, b);
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) return _mm256_max_ps(a, b);
+    if constexpr (std::is_same_v<T, float>) {
+      max_ = _mm512_max_ps(max_, x);
+      nan_ |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      return;
+    }
 #endif
-  return at::vec::maximum(a, b);
-}
+    max_ = at::vec::maximum(max_, x);
+  }
+
+  T value() const {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<T, float>) {
+      return nan_ != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(max_);
+    }
+#endif
+    return at::vec::vec_reduce_all<T>([](Vectorized<T>& a, Vectorized<T>& b) { return at::vec::maximum(a, b); },
+                                      max_);
+  }
+
+ private:
+  Vectorized<T> max_{neg_inf<T>()};
+  uint32_t nan_ = 0;  // lanes that met a NaN
+};
 
 // Largest of s[0..n).
 template <typename acc_t>
@@ -635,8 +656,7 @@ inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap)
 // The score variant of one row in one pass: s[i] = cap(s[i] * scale) - slope * |distance0 - i|,
 // where distance0 is the first key's distance from the query's diagonal; with `cap_grad`, also the
 // cap's derivative 1 - tanh² for the backward. Compiled per combination, so the loop holds only what
-// the call has. Returns the row maximum; NaN scores may be left out of it, since their weights are NaN
-// whatever the maximum is.
+// the call has. Returns the row maximum.
 template <bool kCapped, bool kAlibi, bool kCoarse, typename acc_t>
 acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope, acc_t distance0, acc_t* cap_grad) {
   using V = Vectorized<acc_t>;
@@ -645,7 +665,7 @@ acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope,
   const V vscale(kCapped ? scale / softcap * tanh_argument_scale<acc_t>() : scale), cap(softcap), vslope(slope);
   // The distances of the vector's lanes, moved W keys along per vector.
   V distance = V(distance0) - V::arange(acc_t(0), acc_t(1));
-  V vmax(neg_inf<acc_t>());
+  RunningMax<acc_t> row_max;
   for (int64_t i = 0; i < n; i += W) {
     const int64_t count = std::min<int64_t>(W, n - i);
     V x = V::loadu(s + i, count) * vscale;
@@ -664,9 +684,9 @@ acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope,
     }
     x.store(s + i, count);
     // Lanes past n must not reach the maximum.
-    vmax = max_of_numbers(vmax, count == W ? x : V::set(V(neg_inf<acc_t>()), x, count));
+    row_max.add(count == W ? x : V::set(V(neg_inf<acc_t>()), x, count));
   }
-  return at::vec::vec_reduce_all<acc_t>([](V& a, V& b) { return max_of_numbers(a, b); }, vmax);
+  return row_max.value();
 }
 
 // Scores of one row, keys k0 .. k0 + n, as the softmax takes them (fused_attn/scores.py):
