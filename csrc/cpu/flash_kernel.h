@@ -592,62 +592,62 @@ inline Vectorized<acc_t> reciprocal_of(Vectorized<acc_t> d) {
   return V(acc_t(1)) / d;
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-// 2^t for -64 <= t <= 64: vreduceps gives t's fraction f, a polynomial in f (fitted to 2^f on [0, 1] for the
-// least largest relative error) its power, vscalefps applies the integer part. Degree 5 is within 3 ulp
-// (7.5e-8); degree 4 within 2.7e-6, far below the 2^-9 a 16-bit weight resolves. Half the instructions of
-// ATen's exp_u20, which also handles what t never is here (large, -inf, NaN).
+// The polynomial in f of 2^f on [0, 1] (fitted for the least largest relative error): degree 5 is within 3 ulp
+// (7.5e-8); degree 4 within 2.7e-6, far below the 2^-9 a 16-bit weight resolves.
+template <int kDegree, typename V>
+inline V exp2_fraction(const V& f) {
+  static_assert(kDegree == 4 || kDegree == 5);
+  if constexpr (kDegree == 5) {
+    V p = at::vec::fmadd(f, V(0.0018775766f), V(0.0089893406f));
+    p = at::vec::fmadd(f, p, V(0.055826318f));
+    p = at::vec::fmadd(f, p, V(0.24015361f));
+    p = at::vec::fmadd(f, p, V(0.69315308f));
+    return at::vec::fmadd(f, p, V(0.99999994f));
+  } else {
+    V p = at::vec::fmadd(f, V(0.013541007f), V(0.051998407f));
+    p = at::vec::fmadd(f, p, V(0.24145016f));
+    p = at::vec::fmadd(f, p, V(0.69300270f));
+    return at::vec::fmadd(f, p, V(1.0000026f));
+  }
+}
+
+// 2^t for -64 <= t <= 64, the fraction's power times 2^floor(t): on AVX512 vreduceps gives the fraction and
+// vscalefps applies the integer part; on AVX2 vroundps gives the integer part, added into the exponent field
+// (2^-64 <= 2^t <= 2^65 stays normal). Half the instructions of ATen's exp_u20, which also handles what t never
+// is here (large, -inf, NaN); other copies take exp_u20.
 template <int kDegree>
 inline Vectorized<float> exp2_bounded(Vectorized<float> t) {
-  static_assert(kDegree == 4 || kDegree == 5);
-  const __m512 fraction = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF);
-  __m512 p;
-  if constexpr (kDegree == 5) {
-    p = _mm512_fmadd_ps(fraction, _mm512_set1_ps(0.0018775766f), _mm512_set1_ps(0.0089893406f));
-    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.055826318f));
-    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.24015361f));
-    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.69315308f));
-    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.99999994f));
-  } else {
-    p = _mm512_fmadd_ps(fraction, _mm512_set1_ps(0.013541007f), _mm512_set1_ps(0.051998407f));
-    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.24145016f));
-    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(0.69300270f));
-    p = _mm512_fmadd_ps(fraction, p, _mm512_set1_ps(1.0000026f));
-  }
-  return _mm512_scalef_ps(p, t);
-}
+  using V = Vectorized<float>;
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(exp2_fraction<kDegree>(V(_mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF))), t);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 whole = _mm256_floor_ps(t);
+  const V power = exp2_fraction<kDegree>(V(_mm256_sub_ps(t, whole)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(whole), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(power), exponent));
+#else
+  return (t * V(0.6931471805599453f)).exp_u20();
 #endif
+}
 
-// What capped_tanh's argument is x times: the factor of the exp inside it, which the caller folds into its
-// own scale. AVX512: e = 2^(x · -2 log2 e) = exp(-2x); elsewhere exp(-|2x|).
+// What capped_tanh's argument is x times: the factor of the exp inside it, e = 2^(x · -2 log2 e) = exp(-2x),
+// which the caller folds into its own scale.
 template <typename acc_t>
 constexpr acc_t tanh_argument_scale() {
-  if constexpr (!std::is_same_v<acc_t, float>) return acc_t(1);
-#if defined(CPU_CAPABILITY_AVX512)
-  return -2.8853900817779268f;
-#else
-  return 2.f;
-#endif
+  return std::is_same_v<acc_t, float> ? acc_t(-2.8853900817779268) : acc_t(1);
 }
 
 // cap · tanh(x), given u = x · tanh_argument_scale(): cap · (1 - e) / (1 + e) with e = exp(-2x), the cap
-// inside the numerator's FMA, several times cheaper than Sleef's tanh. On AVX512, e from exp2_bounded with u
-// clamped to ±64, which leaves tanh at ±1 in float past |x| = 22, keeps the sign without a test and keeps
-// vscalefps from underflowing (a microcode assist); elsewhere e = exp(-|2x|) from ATen's exp_u20 and the sign
-// of x put back. `kCoarse`: the exp polynomial of degree 4, for scores that feed 16-bit weights. float64
-// keeps Sleef's tanh.
+// inside the numerator's FMA, several times cheaper than Sleef's tanh. e from exp2_bounded with u clamped to
+// ±64, which leaves tanh at ±1 in float past |x| = 22, keeps the sign without a test and keeps vscalefps from
+// underflowing (a microcode assist). `kCoarse`: the exp polynomial of degree 4, for scores that feed 16-bit
+// weights. float64 keeps Sleef's tanh.
 template <bool kCoarse, typename acc_t>
 inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap) {
   using V = Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
-#if defined(CPU_CAPABILITY_AVX512)
     const V e = exp2_bounded<kCoarse ? 4 : 5>(at::vec::clamp(u, V(-64.f), V(64.f)));
     return at::vec::fnmadd(cap, e, cap) * reciprocal_of<acc_t>(V(1.f) + e);
-#else
-    const V e = (u | V(-0.f)).exp_u20();  // the sign bit set: exp(-|u|)
-    const V magnitude = at::vec::fnmadd(cap, e, cap) * reciprocal_of<acc_t>(V(1.f) + e);
-    return magnitude | (u & V(-0.f));  // the sign of x on a non-negative magnitude
-#endif
   } else {
     return cap * u.tanh();
   }
