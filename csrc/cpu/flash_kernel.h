@@ -593,7 +593,7 @@ inline Vectorized<acc_t> reciprocal_of(Vectorized<acc_t> d) {
 }
 
 // The polynomial in f of 2^f on [0, 1] (fitted for the least largest relative error): degree 5 is within 3 ulp
-// (7.5e-8); degree 4 within 2.7e-6, far below the 2^-9 a 16-bit weight resolves.
+// (7.5e-8); degree 4 within 2.7e-6, far below the resolution of a 16-bit result (2^-9 in bf16, 2^-11 in fp16).
 template <int kDegree, typename V>
 inline V exp2_fraction(const V& f) {
   static_assert(kDegree == 4 || kDegree == 5);
@@ -640,8 +640,8 @@ constexpr acc_t tanh_argument_scale() {
 // cap · tanh(x), given u = x · tanh_argument_scale(): cap · (1 - e) / (1 + e) with e = exp(-2x), the cap
 // inside the numerator's FMA, several times cheaper than Sleef's tanh. e from exp2_bounded with u clamped to
 // ±64, which leaves tanh at ±1 in float past |x| = 22, keeps the sign without a test and keeps vscalefps from
-// underflowing (a microcode assist). `kCoarse`: the exp polynomial of degree 4, for scores that feed 16-bit
-// weights. float64 keeps Sleef's tanh.
+// underflowing (a microcode assist). `kCoarse`: the exp polynomial of degree 4, for the scores of a call whose
+// inputs and output are 16-bit. float64 keeps Sleef's tanh.
 template <bool kCoarse, typename acc_t>
 inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap) {
   using V = Vectorized<acc_t>;
@@ -700,7 +700,7 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
   const acc_t softcap = static_cast<acc_t>(p.softcap);
   const acc_t slope = alibi ? static_cast<const float*>(p.alibi.data)[b * p.alibi.s[0] + h * p.alibi.s[1]] : 0.f;
   const acc_t distance0 = static_cast<acc_t>(qi + p.diagonal - k0);
-  constexpr bool kCoarse = sizeof(scalar_t) == 2;  // the weights these scores feed are bf16 or fp16
+  constexpr bool kCoarse = sizeof(scalar_t) == 2;  // a bf16 or fp16 call
   acc_t row_max;
   if (capped && alibi) {
     row_max = variant_pass<true, true, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
