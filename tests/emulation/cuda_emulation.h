@@ -3,8 +3,11 @@
 //
 //   __global__ / __device__ / __host__    nothing: kernels are plain functions
 //   threadIdx, blockIdx, blockDim, gridDim thread_local, set for each emulated thread
-//   one CUDA thread                        one std::thread; a block's threads run concurrently,
-//                                          blocks run one after another
+//   one CUDA thread                        one fiber (ucontext) of the launching thread, switched at
+//                                          barriers, resumed in an order drawn at random; blocks run
+//                                          one after another. With CUDA_EMULATION_OS_THREADS defined
+//                                          (the sanitizer builds): one std::thread, a block's threads
+//                                          running concurrently
 //   dynamic shared memory                  one buffer per block, filled with 0xFF bytes (NaN in
 //                                          every float type) so reads of unwritten shared memory show
 //   __syncthreads / __syncwarp            a barrier of the block's / the warp's threads
@@ -15,8 +18,16 @@
 //                                          reach mma_sync together deadlocks as on the hardware
 //
 // The barriers are counting barriers (as std::barrier, including arrive-and-drop when a thread
-// exits) with a timeout: a divergent __syncthreads becomes an error naming the deadlock instead of
-// a hung test, and a failure in one emulated thread unwinds all others of its block.
+// exits): a divergent __syncthreads becomes an error naming the deadlock instead of a hung test (with
+// fibers as soon as no thread can run; with OS threads after a timeout), and a failure in one emulated
+// thread unwinds all others of its block.
+//
+// Why fibers: a barrier of OS threads wakes each of its threads through the kernel, and mma_sync and
+// every shuffle hold two warp barriers, so the emulated tests spent most of their time in futex wake-ups
+// and context switches. A fiber switch stays in user space. Since fibers of one block never run at the same
+// time, a missing barrier would only show through the order they run in: the order in which the waiting
+// fibers resume is drawn at random at every phase (seeded by the block's index, so a failure repeats).
+// ThreadSanitizer sees races between OS threads only, hence CUDA_EMULATION_OS_THREADS in its build.
 // WMMA's alignment rules (256-bit pointers, ldm a multiple of 16 bytes) are checked.
 #pragma once
 
@@ -32,11 +43,20 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#ifndef CUDA_EMULATION_OS_THREADS
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <functional>
+#endif
 
 // cuda_fp16.h defines these for the host compiler; the kernels need them to vanish.
 #undef __global__
@@ -73,6 +93,11 @@ inline void require(bool condition, const std::string& message) {
 // Thrown inside an emulated thread when another thread of its block failed: unwinds it.
 struct Aborted {};
 
+inline const char* const kDeadlock =
+    "CUDA emulation: deadlock, not every thread reached the barrier "
+    "(a __syncthreads, __syncwarp, shuffle or mma_sync in divergent code?)";
+
+#ifdef CUDA_EMULATION_OS_THREADS
 class Barrier {
  public:
   explicit Barrier(int count) : expected_(count) {}
@@ -90,9 +115,7 @@ class Barrier {
       if (poisoned_) throw Aborted{};
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == generation &&
           !poisoned_)
-        throw std::runtime_error(
-            "CUDA emulation: deadlock, not every thread reached the barrier "
-            "(a __syncthreads, __syncwarp, shuffle or mma_sync in divergent code?)");
+        throw std::runtime_error(kDeadlock);
     }
   }
 
@@ -123,6 +146,161 @@ class Barrier {
   std::uint64_t generation_ = 0;
   bool poisoned_ = false;
 };
+
+#else
+
+// The threads of one block as fibers of the launching thread. run() starts one fiber per thread and
+// switches to a ready one whenever the running one parks (waits at a barrier) or returns; the next is
+// drawn at random among the ready ones.
+class Fibers {
+ public:
+  static constexpr std::size_t kStackBytes = 256 * 1024;
+
+  explicit Fibers(unsigned count) : contexts_(count), stacks_(count) {
+    const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    for (auto& stack : stacks_) {
+      // A page without access below each stack: an overflow faults instead of writing into the next one.
+      void* memory = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      require(memory != MAP_FAILED, "no memory for the fibers' stacks");
+      mprotect(memory, page, PROT_NONE);
+      stack = {static_cast<char*>(memory), kStackBytes + page, page};
+    }
+  }
+
+  ~Fibers() {
+    for (const auto& stack : stacks_) munmap(stack.memory, stack.bytes);
+  }
+
+  Fibers(const Fibers&) = delete;
+  Fibers& operator=(const Fibers&) = delete;
+
+  // Runs body(t) for every thread t, each on its own fiber, until every one has returned. enter(t) is called
+  // before each switch to fiber t (the thread's own state lives in this thread's thread_local variables).
+  // `on_deadlock` is called when fibers wait and none is ready; it must wake them (by poisoning their barriers).
+  void run(const std::function<void(unsigned)>& body, const std::function<void(unsigned)>& enter,
+           const std::function<void()>& on_deadlock, std::uint32_t seed) {
+    body_ = &body;
+    order_.seed(seed);
+    const unsigned count = static_cast<unsigned>(contexts_.size());
+    ready_.clear();
+    for (unsigned t = 0; t < count; ++t) {
+      ucontext_t& context = contexts_[t];
+      getcontext(&context);
+      context.uc_stack.ss_sp = stacks_[t].memory + stacks_[t].guard;
+      context.uc_stack.ss_size = kStackBytes;
+      context.uc_link = &scheduler_;
+      makecontext(&context, &Fibers::start, 0);
+      ready_.push_back(t);
+    }
+    Fibers* const outer = current_;
+    current_ = this;
+    unsigned finished = 0;
+    while (finished < count) {
+      if (ready_.empty()) {
+        on_deadlock();
+        require(!ready_.empty(), "fibers wait that nothing can wake");
+      }
+      const std::size_t pick = std::uniform_int_distribution<std::size_t>(0, ready_.size() - 1)(order_);
+      running_ = ready_[pick];
+      ready_[pick] = ready_.back();
+      ready_.pop_back();
+      returned_ = false;
+      enter(running_);
+      swapcontext(&scheduler_, &contexts_[running_]);
+      finished += returned_;
+    }
+    current_ = outer;
+  }
+
+  // The fibers of the block being run on this thread.
+  static Fibers& current() {
+    require(current_ != nullptr, "a barrier was reached outside a kernel launch");
+    return *current_;
+  }
+
+  unsigned running() const { return running_; }
+
+  // From a fiber: leaves the processor to the others until wake(running()).
+  void park() { swapcontext(&contexts_[running_], &scheduler_); }
+
+  void wake(unsigned fiber) { ready_.push_back(fiber); }
+
+ private:
+  struct Stack {
+    char* memory;
+    std::size_t bytes, guard;
+  };
+
+  static void start() {
+    Fibers& self = *current_;
+    (*self.body_)(self.running_);
+    self.returned_ = true;  // back to the scheduler through uc_link
+  }
+
+  std::vector<ucontext_t> contexts_;
+  std::vector<Stack> stacks_;
+  ucontext_t scheduler_;
+  const std::function<void(unsigned)>* body_ = nullptr;
+  std::vector<unsigned> ready_;
+  std::mt19937 order_;
+  unsigned running_ = 0;
+  bool returned_ = false;
+  static inline thread_local Fibers* current_ = nullptr;
+};
+
+// A barrier of fibers: no lock (one fiber runs at a time); the fibers waiting at it are woken when the
+// last one arrives, or when it is poisoned.
+class Barrier {
+ public:
+  explicit Barrier(int count) : expected_(count) {}
+
+  void arrive_and_wait() {
+    if (poisoned_) throw Aborted{};
+    if (++arrived_ >= expected_) {
+      complete_phase();
+      return;
+    }
+    Fibers& fibers = Fibers::current();
+    waiting_.push_back(fibers.running());
+    const std::uint64_t generation = generation_;
+    while (generation_ == generation) {
+      if (poisoned_) throw Aborted{};
+      fibers.park();
+    }
+  }
+
+  // A thread that exits no longer takes part (std::barrier::arrive_and_drop).
+  void drop() {
+    --expected_;
+    if (arrived_ > 0 && arrived_ >= expected_) complete_phase();
+  }
+
+  void poison() {
+    poisoned_ = true;
+    wake_all();
+  }
+
+ private:
+  void complete_phase() {
+    arrived_ = 0;
+    ++generation_;
+    wake_all();
+  }
+
+  void wake_all() {
+    if (waiting_.empty()) return;
+    Fibers& fibers = Fibers::current();
+    for (unsigned fiber : waiting_) fibers.wake(fiber);
+    waiting_.clear();
+  }
+
+  int expected_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  bool poisoned_ = false;
+  std::vector<unsigned> waiting_;
+};
+#endif
 
 // What the lanes of one warp exchange through: the three operands of an mma_sync (as fp32, which
 // holds fp16 and bf16 values exactly) and one value per lane for shuffles.
@@ -174,7 +352,7 @@ namespace cuda_emulation {
 inline Warp& warp() { return *block().warps[threadIdx.x / 32]; }
 inline unsigned lane() { return threadIdx.x % 32; }
 
-// Runs `kernel` over the grid: for each block in turn, one std::thread per CUDA thread.
+// Runs `kernel` over the grid: for each block in turn, one fiber (or std::thread) per CUDA thread.
 template <typename Params>
 void launch(void (*kernel)(Params), Dim3 grid, Dim3 block_shape, std::size_t shared_bytes,
             const Params& params) {
@@ -182,31 +360,42 @@ void launch(void (*kernel)(Params), Dim3 grid, Dim3 block_shape, std::size_t sha
   require(block_shape.x > 0 && block_shape.x <= 1024 && block_shape.x % 32 == 0,
           "the block size must be a multiple of the warp size, at most 1024");
   require(shared_bytes <= kMaxSharedBytes, "dynamic shared memory beyond 227 KB");
+#ifndef CUDA_EMULATION_OS_THREADS
+  Fibers fibers(block_shape.x);
+#endif
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         Block state(block_shape.x, shared_bytes);
+        const auto thread_body = [&](unsigned t) {
+          threadIdx = Dim3{t, 0, 0};
+          blockIdx = Dim3{x, y, z};
+          blockDim = block_shape;
+          gridDim = grid;
+          current_block = &state;
+          try {
+            kernel(params);
+          } catch (const Aborted&) {
+          } catch (...) {
+            state.fail(std::current_exception());
+          }
+          state.barrier.drop();
+          state.warps[t / 32]->barrier.drop();
+          current_block = nullptr;
+        };
+#ifdef CUDA_EMULATION_OS_THREADS
         std::vector<std::thread> threads;
         threads.reserve(block_shape.x);
-        for (unsigned t = 0; t < block_shape.x; ++t) {
-          threads.emplace_back([&, t] {
-            threadIdx = Dim3{t, 0, 0};
-            blockIdx = Dim3{x, y, z};
-            blockDim = block_shape;
-            gridDim = grid;
-            current_block = &state;
-            try {
-              kernel(params);
-            } catch (const Aborted&) {
-            } catch (...) {
-              state.fail(std::current_exception());
-            }
-            state.barrier.drop();
-            state.warps[t / 32]->barrier.drop();
-            current_block = nullptr;
-          });
-        }
+        for (unsigned t = 0; t < block_shape.x; ++t) threads.emplace_back(thread_body, t);
         for (auto& thread : threads) thread.join();
+#else
+        const auto enter = [&](unsigned t) {
+          threadIdx = Dim3{t, 0, 0};
+          current_block = &state;
+        };
+        const auto deadlock = [&] { state.fail(std::make_exception_ptr(std::runtime_error(kDeadlock))); };
+        fibers.run(thread_body, enter, deadlock, (z * grid.y + y) * grid.x + x);
+#endif
         if (state.error) std::rethrow_exception(state.error);
       }
     }

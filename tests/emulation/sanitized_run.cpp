@@ -5,6 +5,8 @@
 // -fsanitize=address,undefined (reads or writes outside the tensors, undefined behaviour).
 //
 // Exit status 0 when every output is written and finite; the sanitizers report on stderr.
+// One OS thread per CUDA thread: ThreadSanitizer sees the races between threads, not between fibers.
+#define CUDA_EMULATION_OS_THREADS 1
 #include "cuda_emulation.h"  // first: it defines the CUDA names the kernel header uses
 
 #include <algorithm>
