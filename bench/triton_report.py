@@ -147,17 +147,40 @@ def kernels(target: str, dtype: str = "float16", head_dim: int = 64) -> tuple[st
         described and (specializable or k not in WARP_SPECIALIZED_VARIANTS)))
 
 
-def combinations(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=None):
+# FUSED_ATTN_STATIC_REPORT=sample (what `make test` sets): each (kernel, variant, target) compiled at one of its
+# (dtype, head dim) shapes instead of at every one, the shapes taken in turn, so that the sample still meets each
+# shape: a fifth of the compilations (the whole report took 26 CPU minutes of the test suite's run, against about
+# 5). `make test-full` and `make test-triton` compile all of them.
+SAMPLE_VARIABLE = "FUSED_ATTN_STATIC_REPORT"
+
+
+def sampled() -> bool:
+    """Whether the report compiles the sample (SAMPLE_VARIABLE=sample) rather than every row (=full, the default)."""
+    value = os.environ.get(SAMPLE_VARIABLE, "full")
+    if value not in ("full", "sample"):
+        raise ValueError(f"{SAMPLE_VARIABLE}: expected full or sample, got {value!r}")
+    return value == "sample"
+
+
+def combinations(targets=tuple(TARGETS), dtypes=DTYPES, head_dims=HEAD_DIMS, only=KERNELS, wider=None, sample=None):
     """(kernel, target, dtype, head dim, causal, dropout, bias_grad, scores) of every report row: each target's
     kernels in `dtypes` at `head_dims`, and on WIDER_TARGETS at the (dtype, head dim) pairs of `wider` too (None:
-    `wider_shapes()`)."""
+    `wider_shapes()`); with `sample` (None: `sampled()`), each (kernel, variant) of a target at one of those shapes,
+    the i-th of a target's (kernel, variant) pairs at its i-th shape (modulo their number), whichever other targets
+    are asked for."""
     wider = wider_shapes() if wider is None else wider
+    sample = sampled() if sample is None else sample
     for target in targets:
         shapes = [*itertools.product(dtypes, head_dims), *(wider if target in WIDER_TARGETS else ())]
-        for dtype, head_dim in dict.fromkeys(shapes):
-            for kernel in kernels(target, dtype, head_dim):
-                if kernel in only:
-                    yield from ((kernel, target, dtype, head_dim, *variant) for variant in variants(kernel))
+        rows = [(kernel, target, dtype, head_dim, *variant) for dtype, head_dim in dict.fromkeys(shapes)
+                for kernel in kernels(target, dtype, head_dim) if kernel in only for variant in variants(kernel)]
+        if not sample:
+            yield from rows
+            continue
+        at_shapes = {}  # (kernel, *variant): its rows, in the order of the shapes
+        for row in rows:
+            at_shapes.setdefault((row[0], *row[4:]), []).append(row)
+        yield from (group[index % len(group)] for index, group in enumerate(at_shapes.values()))
 
 
 # Kernels launched at a fixed config rather than a default of triton_kernels' tables.

@@ -16,8 +16,9 @@ dQ's and the decode kernel's, plain and warp-specialized, are compiled for sm_90
 too, where a launch offers them (not in fp32; warp-specialized up to head dim 128), and their SASS must hold TMA
 loads (UTMALDG) and stores (UTMASTG), which no pointer kernel has. The rows are the
 triton rows of `python -m bench.inspect --json`, run once per test session (the `static_gpu_report` fixture of
-conftest.py; 880
-Triton compilations, beside the CUDA report that tests/test_cuda_compile.py reads).
+conftest.py; 880 Triton compilations, 177 under `make test`, which compiles each kernel, variant and target at one of
+its shapes: FUSED_ATTN_STATIC_REPORT in bench/triton_report.py; beside the CUDA report that tests/test_cuda_compile.py
+reads).
 """
 
 from __future__ import annotations
@@ -77,6 +78,25 @@ def test_report_compiles_what_launches_take():
             assert head_dim <= 128, (kernel, head_dim)
         if kernel.startswith("decode"):
             assert head_dim <= triton_decode.MAX_HEAD_DIM, (kernel, head_dim)
+
+
+def test_sample_is_every_kernel_variant_and_target_once_and_meets_every_shape(monkeypatch):
+    full = list(triton_report.combinations(sample=False))
+    sample = list(triton_report.combinations(sample=True))
+    without_shape = lambda row: (*row[:2], *row[4:])  # noqa: E731
+    assert set(sample) <= set(full)
+    assert sorted(map(without_shape, sample), key=str) == sorted(set(map(without_shape, full)), key=str)
+    assert {row[1:4] for row in sample} == {row[1:4] for row in full}  # each target's shapes
+    assert len(sample) < len(full) / 4
+    for value, expected in (("sample", sample), ("full", full), (None, full)):
+        if value is None:
+            monkeypatch.delenv(triton_report.SAMPLE_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(triton_report.SAMPLE_VARIABLE, value)
+        assert list(triton_report.combinations()) == expected
+    monkeypatch.setenv(triton_report.SAMPLE_VARIABLE, "some")
+    with pytest.raises(ValueError, match="FUSED_ATTN_STATIC_REPORT: expected full or sample"):
+        list(triton_report.combinations())
 
 
 def test_report_covers_every_kernel_and_config(rows):
