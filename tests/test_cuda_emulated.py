@@ -1089,6 +1089,14 @@ def test_emulation_reports_a_divergent_barrier(emulated):
 
 
 @pytest.mark.emulated_cuda
+def test_emulation_shows_a_missing_barrier(emulated):
+    """The fibers of a block run in a random order: a read of what another warp writes with no __syncthreads
+    between comes before the write in some threads, as it may on a GPU, not after it in all."""
+    read = emulated.missing_barrier()
+    assert torch.isnan(read).any() and (read == 1).any(), read
+
+
+@pytest.mark.emulated_cuda
 def test_emulated_shared_memory_starts_as_nan(emulated):
     assert torch.isnan(emulated.unwritten_shared()).all()
 

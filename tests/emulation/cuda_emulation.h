@@ -25,9 +25,10 @@
 // Why fibers: a barrier of OS threads wakes each of its threads through the kernel, and mma_sync and
 // every shuffle hold two warp barriers, so the emulated tests spent most of their time in futex wake-ups
 // and context switches. A fiber switch stays in user space. Since fibers of one block never run at the same
-// time, a missing barrier would only show through the order they run in: the order in which the waiting
-// fibers resume is drawn at random at every phase (seeded by the block's index, so a failure repeats).
-// ThreadSanitizer sees races between OS threads only, hence CUDA_EMULATION_OS_THREADS in its build.
+// time, a missing barrier can only show through the order they run in: the order in which the waiting
+// fibers resume is drawn at random at every phase (seeded by the block's index, so a failure repeats), so a
+// read that no barrier orders after its write comes first in some threads. Races this order does not expose
+// are ThreadSanitizer's; it sees races between OS threads only, hence CUDA_EMULATION_OS_THREADS in its build.
 // WMMA's alignment rules (256-bit pointers, ldm a multiple of 16 bytes) are checked.
 #pragma once
 

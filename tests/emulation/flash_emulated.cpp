@@ -174,6 +174,14 @@ __global__ void unwritten_shared_probe(const ProbeArgs args) {
   args.out[threadIdx.x] = reinterpret_cast<const float*>(dynamic_shared_memory())[threadIdx.x];
 }
 
+// Warp 0 writes shared memory that warp 1 reads, with no __syncthreads between: a race on a GPU. Each thread of
+// warp 1 returns what it read (shared memory starts as NaN).
+__global__ void missing_barrier_probe(const ProbeArgs args) {
+  auto* shared = reinterpret_cast<float*>(dynamic_shared_memory());
+  if (threadIdx.x < 32) shared[threadIdx.x] = 1.0f;
+  if (threadIdx.x >= 32) args.out[threadIdx.x - 32] = shared[threadIdx.x - 32];
+}
+
 at::Tensor run_probe(void (*kernel)(ProbeArgs), unsigned threads, ProbeArgs args, at::Tensor out) {
   args.out = out.data_ptr<float>();
   pybind11::gil_scoped_release release;
@@ -215,6 +223,8 @@ void divergent_barrier(int64_t timeout_ms) {
   }
   cuda_emulation::barrier_timeout = saved;
 }
+
+at::Tensor missing_barrier() { return run_probe(&missing_barrier_probe, 64, ProbeArgs{}, at::empty({32})); }
 
 at::Tensor unwritten_shared() { return run_probe(&unwritten_shared_probe, 32, ProbeArgs{}, at::empty({32})); }
 
@@ -268,4 +278,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("misaligned_wmma", &misaligned_wmma, "probe: a WMMA load off a 256-bit boundary (raises)");
   m.def("divergent_barrier", &divergent_barrier, "probe: a deadlocking divergent barrier (raises)");
   m.def("unwritten_shared", &unwritten_shared, "probe: what unwritten shared memory reads as");
+  m.def("missing_barrier", &missing_barrier, "probe: what warp 1 reads of warp 0's write with no __syncthreads");
 }
