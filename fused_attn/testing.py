@@ -160,11 +160,13 @@ def reference_results(query, key, value, grad_out=None, *, dtype=None, attn_mask
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest absolute difference, where equal infinities (a -inf lse of a hidden row) count as 0."""
+    """Largest absolute difference, where equal infinities (a -inf lse of a hidden row) and NaN in both (a row
+    that sees a NaN score) count as 0; NaN in one of them alone makes it NaN."""
     actual = actual.detach().cpu().double()
     expected = expected.detach().cpu().double()
     both_inf = torch.isinf(actual) & torch.isinf(expected) & (actual == expected)
-    difference = (actual - expected).abs().masked_fill(both_inf, 0.0)
+    both_nan = torch.isnan(actual) & torch.isnan(expected)
+    difference = (actual - expected).abs().masked_fill(both_inf | both_nan, 0.0)
     return float(difference.max()) if difference.numel() else 0.0
 
 
@@ -328,6 +330,57 @@ PROGRAM_CASES = {
                                                    window=(100, 40), alibi="batch"),
     "program_documents_or_window_decode": Case(len_q=3, len_k=400, heads_q=4, heads_kv=1, program="documents_or_window"),
 }
+
+
+# NaN in the inputs (check_nan_inputs), on the long-query, decode and program paths of every backend.
+NAN_CASES = {
+    "nan_plain": Case(len_q=40, len_k=70, lse_grad=True),
+    "nan_gqa_causal_softcap_alibi_dropout": Case(heads_q=4, heads_kv=2, len_q=45, len_k=45, is_causal=True,
+                                                 softcap=3.0, alibi="heads", dropout_p=0.2, lse_grad=True),
+    "nan_window_sinks_padding": Case(len_q=37, len_k=53, is_causal=True, causal_alignment="bottom_right",
+                                     window=(20, 0), sinks=True, key_padding=True),
+    "nan_decode_gqa": Case(len_q=1, len_k=700, heads_q=8, heads_kv=2, batch=1),
+    "nan_program_documents": Case(len_q=260, len_k=260, program="documents_causal", lse_grad=True),
+}
+
+
+def nan_poisoned(inputs: Inputs) -> Inputs:
+    """`inputs` with one NaN in a query row (the last batch row's last head) and one in a key (batch row 0, key
+    head 0): every score of that row, and the score of that key in each row that sees it, is NaN."""
+    case = inputs.case
+    with torch.no_grad():
+        inputs.query[-1, -1, case.len_q // 2, 0] = float("nan")
+        inputs.key[0, 0, case.len_k // 3, 1] = float("nan")
+    return inputs
+
+
+def check_nan_inputs(results: Results, inputs: Inputs) -> dict[str, tuple[float, float]]:
+    """A row that sees a NaN score gives NaN, as SDPA does, never a hidden row's 0 or an output that skips the key:
+    a backend's results on `nan_poisoned` inputs, against the references. The output and lse meet the criterion
+    with NaN exactly where the references' is; each row of NaN output has NaN in its dq. Elsewhere the gradients
+    are compared where they and the references are finite: which other elements a NaN reaches depends on the
+    tiles a backend visits (the reference's dq = dS K multiplies a NaN key by the 0 of each row that hides it;
+    kernels never read those tiles). Asserts that the poison reached some rows and left others finite."""
+    exact, same_dtype = reference_for(inputs, torch.float64), reference_for(inputs, inputs.dtype)
+    forward = [Results(r.out, r.lse) for r in (results, exact, same_dtype)]
+    report = assert_close_to_reference(*forward, inputs.dtype)
+    nan_rows = torch.isnan(results.out.detach().cpu()).any(dim=-1)
+    assert nan_rows.any() and not nan_rows.all(), "the poison was meant to reach some rows and not others"
+    failures = []
+    for name, value in results.named().items():
+        if name in ("out", "lse"):
+            continue
+        value, expected, baseline = (t.detach().cpu() for t in (value, getattr(exact, name), getattr(same_dtype, name)))
+        finite = torch.isfinite(value) & torch.isfinite(expected) & torch.isfinite(baseline)
+        error = max_error(value[finite], expected[finite])
+        report[name] = error, allowed_error(name, expected[finite], baseline[finite], inputs.dtype)
+        if not error <= report[name][1]:
+            failures.append(f"{name}: error {error:.3e} > allowed {report[name][1]:.3e} where finite")
+    if results.grad_query is not None and not torch.isnan(results.grad_query.detach().cpu()[nan_rows]).any(-1).all():
+        failures.append("grad_query: a row of NaN output has no NaN in its gradient")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return report
 
 
 def _document_ids(length: int, generator) -> torch.Tensor:
@@ -525,7 +578,7 @@ def random_inputs(case: Case, dtype: torch.dtype, rotation: int, generator, devi
         padding = hidden.to(device)[:, ::2].t()
     grad_lse = None
     if case.lse_grad:  # (B, L_q, H_q) storage viewed as (B, H_q, L_q)
-        grad_lse = torch.randn(case.batch, case.len_q, case.heads_q, generator=generator).to(device)
+        grad_lse = torch.randn(case.batch, case.len_q, case.heads_q, generator=generator).to(device, lse_dtype(dtype))
         grad_lse = grad_lse.permute(0, 2, 1)
     dropout_seed = int(torch.randint(0, 2 ** 62, (), generator=generator))
     slopes = None

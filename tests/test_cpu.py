@@ -143,6 +143,9 @@ def test_every_instruction_set_meets_criterion(isa):
         "    for feature in ('blocks', 'head_dims', 'gqa', 'plain'):\n"
         "        t.run_and_check(g, dtype, feature, t.LAYOUTS)\n"
         "    t.check_extreme_maxima(g, dtype)\n"
+        "    for case in t.testing.NAN_CASES.values():\n"
+        "        inputs = t.testing.nan_poisoned(t.testing.random_inputs(case, dtype, 1, g))\n"
+        "        t.testing.check_nan_inputs(t.testing.run_attention(inputs, 'cpu'), inputs)\n"
         "    for case in (t.TRAINING_CASES['plain'], t.TRAINING_CASES['bias_heads_causal_dropout'],\n"
         "                 t.VARIANT_CASES['everything'], t.VARIANT_CASES['softcap_alibi_additive'],\n"
         "                 *t.DECODE_CASES.values()):\n"
@@ -264,17 +267,30 @@ def test_fully_hidden_rows_give_zero_output_minus_inf_lse_zero_gradients(generat
     assert all(torch.all(grad == 0) for grad in grads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", ["plain", "softcap", "alibi"])
-def test_a_nan_key_in_float32_gives_the_references_rows(generator, variant):
-    """A NaN in one key makes each score of its head's rows NaN; the rows' maximum must carry it (the variants' pass
-    keeps NaN beside its maximum's chain), so that they come out as the reference's do, and the other head's do not
-    change. float32 only: in bf16 the kernel's rows come out NaN where the reference's are zeros."""
-    q, k, v = (torch.randn(1, 2, 40, 32, generator=generator) for _ in range(3))
+def test_a_nan_key_gives_nan_rows_as_the_reference_does(generator, small_blocks, variant, dtype):
+    """A NaN in one key makes each score of its head's rows NaN: those rows come out NaN (output and lse), as the
+    reference's and SDPA's do, whichever pass finds the row's shift (the plain exp pass's compares, the variants'
+    running maximum), and the other head's do not change."""
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=generator, dtype=dtype) for _ in range(3))
     k[0, 0, 7, 3] = float("nan")
     options = {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": torch.tensor([0.5, 0.25])}}[variant]
-    out = fused_attn.attention(q, k, v, backend="cpu", **options)
-    expected = fused_attn.attention(q, k, v, backend="reference", **options)
-    torch.testing.assert_close(out, expected, equal_nan=True)
+    out, lse = fused_attn.attention(q, k, v, backend="cpu", return_lse=True, **options)
+    assert out[0, 0].isnan().all() and lse[0, 0].isnan().all()
+    exact, same_dtype = (testing.Results(*fused_attn.attention(*(t.to(reference_dtype) for t in (q, k, v)),
+                                                               backend="reference", return_lse=True, **options))
+                         for reference_dtype in (torch.float64, dtype))
+    testing.assert_close_to_reference(testing.Results(out, lse), exact, same_dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(testing.NAN_CASES))
+def test_nan_inputs_give_nan_rows(generator, small_blocks, name, dtype):
+    """A NaN query element and a NaN key element on the long-query (rows over several key blocks), decode (split
+    keys) and program paths."""
+    inputs = testing.nan_poisoned(testing.random_inputs(testing.NAN_CASES[name], dtype, 1, generator))
+    testing.check_nan_inputs(testing.run_backend(registry.get("cpu"), inputs), inputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -178,6 +178,16 @@ def test_emulated_matches_reference(emulated, name, dtype, rotation, generator):
 
 
 @pytest.mark.emulated_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(testing.NAN_CASES))
+def test_emulated_nan_inputs_give_nan_rows(emulated, name, dtype, generator):
+    """A NaN query element and a NaN key element: NaN rows where the reference has them, on the long-query, decode
+    and program paths (the CUDA maximum, fmaxf, passes over NaN: the row's sum carries it)."""
+    inputs = testing.nan_poisoned(testing.random_inputs(testing.NAN_CASES[name], dtype, 0, generator))
+    testing.check_nan_inputs(run_emulated(emulated, inputs), inputs)
+
+
+@pytest.mark.emulated_cuda
 @pytest.mark.parametrize("rotation", [0, 2])  # the other three layouts: test_emulated_matches_reference
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(TRAINING_CASES))

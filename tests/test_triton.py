@@ -246,6 +246,19 @@ def test_decode_kernels_match_reference(name, dtype, splits, generator, monkeypa
     testing.check_inputs(results, inputs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(testing.NAN_CASES))
+def test_nan_inputs_give_nan_rows(name, dtype, generator, monkeypatch):
+    """A NaN query element and a NaN key element: NaN rows where the reference has them (the GPU's maximum passes
+    over NaN and the interpreter's carries it; the row's sum is NaN either way), in small tiles so that rows
+    cross key blocks, and the decode case over three splits."""
+    monkeypatch.setenv("FUSED_ATTN_TRITON_DECODE_SPLITS", "3")
+    inputs = testing.nan_poisoned(make_inputs(testing.NAN_CASES[name], dtype, 0, generator))
+    with tk.forced_configs(**SMALL_TILES):
+        results = run_backend(inputs)
+    testing.check_nan_inputs(results, inputs)
+
+
 def test_decode_split_count_override_is_checked(monkeypatch):
     from fused_attn.backends import triton_decode
 

@@ -330,8 +330,8 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
   }
 }
 
-// The running maximum of a row's scores, NaN once any of them is NaN (the softmax then takes the row as one that
-// sees no key, as the reference's amax does). On AVX512, vmaxps alone in the maximum's chain and a compare into a
+// The running maximum of a row's scores, NaN once any of them is NaN (the row's shift, and so its output and lse,
+// then become NaN, softmax_step). On AVX512, vmaxps alone in the maximum's chain and a compare into a
 // mask register beside it, where at::vec::maximum puts four vector instructions into the chain (bench/NOTES.md
 // section 67); elsewhere at::vec::maximum.
 template <typename T>
@@ -915,17 +915,18 @@ inline void scale_row(T* x, int64_t n, T factor) {
   at::vec::map([factor](Vectorized<T> v) { return v * Vectorized<T>(factor); }, x, x, n);
 }
 
-// Whether some lane of a or b lies above the same lane of limit (NaN lies above nothing). Two compares into mask
-// registers: ATen's maximum of a and b, which carries NaN through, takes four instructions, in the exp pass's loop.
+// Whether some lane of a or b lies above the same lane of limit or is NaN (a NaN score then makes the row's shift
+// NaN, softmax_step). Two compares into mask registers: ATen's maximum of a and b, which carries NaN through, takes
+// four instructions, in the exp pass's loop.
 template <typename T>
 inline bool any_above(const Vectorized<T>& a, const Vectorized<T>& b, const Vectorized<T>& limit) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) {
-    return (_mm512_cmp_ps_mask(a, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(b, limit, _CMP_GT_OQ)) != 0;
+    return (_mm512_cmp_ps_mask(a, limit, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(b, limit, _CMP_NLE_UQ)) != 0;
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<T, float>) {
-    const __m256 above = _mm256_or_ps(_mm256_cmp_ps(a, limit, _CMP_GT_OQ), _mm256_cmp_ps(b, limit, _CMP_GT_OQ));
+    const __m256 above = _mm256_or_ps(_mm256_cmp_ps(a, limit, _CMP_NLE_UQ), _mm256_cmp_ps(b, limit, _CMP_NLE_UQ));
     return _mm256_movemask_ps(above) != 0;
   }
 #endif
@@ -934,7 +935,7 @@ inline bool any_above(const Vectorized<T>& a, const Vectorized<T>& b, const Vect
   b.store(lanes + Vectorized<T>::size());
   limit.store(limits);
   for (int64_t i = 0; i < 2 * Vectorized<T>::size(); ++i) {
-    if (lanes[i] > limits[i % Vectorized<T>::size()]) return true;
+    if (!(lanes[i] <= limits[i % Vectorized<T>::size()])) return true;
   }
   return false;
 }
@@ -1003,7 +1004,7 @@ acc_t exp_row_pass(acc_t* s, int64_t n, acc_t scale, acc_t& shift, ct* out) {
   // row's first keys; past weights already written, to the largest of the rest of the row, so that they are
   // rescaled once in a pass (scores that climb steadily along the keys would rise at every pair).
   const auto rise_to = [&](const V& x0, const V& x1, int64_t done) {
-    if (!any_above(x0, x1, limit)) return;
+    if (!any_above(x0, x1, limit) || std::isnan(shift)) return;  // a NaN shift stays: the row's result is NaN
     const V top = at::vec::maximum(x0, x1);
     const acc_t before = shift;
     acc_t largest = at::vec::vec_reduce_all<acc_t>([](V& x, V& y) { return at::vec::maximum(x, y); }, top);
@@ -1109,6 +1110,7 @@ struct RowEnd {
 
 template <typename acc_t>
 inline RowEnd<acc_t> finish_row(const Params& p, int64_t h, acc_t m, acc_t l, acc_t keep_scale) {
+  if (std::isnan(m) || std::isnan(l)) return {m + l, m + l};  // a NaN score was seen: output and lse NaN
   const acc_t sink = p.sinks == nullptr ? neg_inf<acc_t>() : static_cast<const acc_t*>(p.sinks)[h];
   if (sink == neg_inf<acc_t>()) {
     if (l > acc_t(0)) return {keep_scale / l, m + std::log(l)};
@@ -1354,7 +1356,8 @@ void softmax_step(const Params& p, int64_t b, int64_t h, int64_t qi, KeyRange se
       hide_by_program(p, srow + first, n, k0, first, qi, tile_states);
       block_max = row_max_of(srow + first, n);
     }
-    if (shift == neg_inf<acc_t>() || block_max > shift + acc_t(kShiftSlack)) shift = block_max;
+    // A NaN maximum (a NaN score) passes the test, and a NaN shift stays: it carries the NaN to the row's end.
+    if (!std::isnan(shift) && !(block_max <= shift + acc_t(kShiftSlack))) shift = block_max;
     if (shift != neg_inf<acc_t>()) sum = exp_row<ct>(srow + first, n, acc_t(1), shift, prow + first);
   }
   if (shift == neg_inf<acc_t>()) {  // no visible key yet: P row 0, state unchanged
@@ -2137,7 +2140,7 @@ void decode_impl(const Params& p) {
           store_row_result(b, h, r % Lq, obuf + r * Dv, end.factor, end.lse);
         } else {
           // The splits are merged below, where the sink joins once.
-          const acc_t lse = seen ? row_shift[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
+          const acc_t lse = seen || std::isnan(row_shift[r]) ? row_shift[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
           acc_t* out = partial_out.data() + (item * rows + r) * Dv;
           for (int64_t d = 0; d < Dv; ++d) out[d] = seen ? obuf[r * Dv + d] / row_sum[r] : acc_t(0);
           partial_lse[item * rows + r] = lse;
@@ -2154,7 +2157,11 @@ void decode_impl(const Params& p) {
       const int64_t r = row % rows, head = row / rows;  // head = b · H_kv + hk
       const int64_t b = head / p.heads_kv, hk = head % p.heads_kv;
       acc_t top = neg_inf<acc_t>();
-      for (int64_t s = 0; s < splits; ++s) top = std::max(top, partial_lse[(head * splits + s) * rows + r]);
+      for (int64_t s = 0; s < splits; ++s) {  // NaN (a NaN score in a split) carried, as finish_row takes it
+        const acc_t lse = partial_lse[(head * splits + s) * rows + r];
+        if (std::isnan(lse) || lse > top) top = lse;
+        if (std::isnan(top)) break;
+      }
       std::fill(merged.begin(), merged.end(), acc_t(0));
       acc_t total = 0;
       if (top != neg_inf<acc_t>()) {

@@ -750,13 +750,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_forward_kernel(const Forwar
                                      head_of<const T>(p.v, p.v_stride, b, h_kv), b, BlockRows{h, 1, m0}, h, i,
                                      n_begin, n_end, DropoutStream::of(p, b), row_max, row_sum);
 
-  // The sink joins the row here; a row that saw no key (nor a sink): output 0, log-sum-exp -inf.
+  // The sink joins the row here; a row that saw no key (nor a sink): output 0, log-sum-exp -inf. A NaN score makes the
+  // sum NaN (fmaxf passes over it, its exp does not): the row's output and log-sum-exp are NaN, as SDPA's.
   if (lane == 0) {
     const float rescale = p.sinks != nullptr ? fold_sink(p.sinks[h], row_max, row_sum) : 1.0f;
-    tiles.inv_sum[row] = row_sum > 0.0f ? p.keep_scale * rescale / row_sum : 0.0f;
+    tiles.inv_sum[row] = row_sum != 0.0f ? p.keep_scale * rescale / row_sum : 0.0f;
     if (i < p.len_q)
       params.lse[b * params.lse_stride[0] + h * params.lse_stride[1] + (start.q + i) * params.lse_stride[2]] =
-          row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
+          row_sum != 0.0f ? row_max + logf(row_sum) : -INFINITY;
   }
   __syncthreads();
   T* out = head_of<T>(params.out, params.out_stride, b, h) + start.q * params.out_stride[2];
@@ -808,8 +809,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_decode_kernel(const DecodeP
 
   const int64_t part = (static_cast<int64_t>(b) * p.heads_kv + h_kv) * params.splits + split;
   if (lane == 0) {
-    tiles.inv_sum[row] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
-    if (has_row) params.part_lse[part * rows + row] = row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
+    tiles.inv_sum[row] = row_sum != 0.0f ? 1.0f / row_sum : 0.0f;
+    if (has_row) params.part_lse[part * rows + row] = row_sum != 0.0f ? row_max + logf(row_sum) : -INFINITY;
   }
   __syncthreads();
   float* part_out = params.part_out + part * rows * p.dim_v;
@@ -844,7 +845,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_decode_combine_kernel(const
     total += expf(p.part_lse[first + static_cast<int64_t>(s) * rows] - reference);
   total = group_sum<32>(total);
   const float rescale = p.sinks != nullptr ? fold_sink(p.sinks[h], largest, total) : 1.0f;
-  const float inv_total = total > 0.0f ? rescale / total : 0.0f;
+  const float inv_total = total != 0.0f ? rescale / total : 0.0f;
   T* out = head_of<T>(p.out, p.out_stride, b, h) + i * p.out_stride[2];
   for (int d = lane; d < p.dim_v; d += 32) {
     float sum = 0.0f;
@@ -854,7 +855,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_decode_combine_kernel(const
     }
     out[d * p.out_stride[3]] = Element<T>::store(sum * inv_total);
   }
-  if (lane == 0) p.lse[row] = total > 0.0f ? largest + logf(total) : -INFINITY;
+  if (lane == 0) p.lse[row] = total != 0.0f ? largest + logf(total) : -INFINITY;
 }
 
 // ---- backward ---------------------------------------------------------------------------------

@@ -63,11 +63,9 @@ def _rows_that_see_a_key(scores: torch.Tensor):
 
     Softmax and log-sum-exp of an all -inf row are NaN, and so are their gradients; computing them
     on zeros and selecting afterwards keeps both the values and the gradients of such rows finite.
+    A NaN score is a visible one: its row comes out NaN, as in SDPA, rather than hidden.
     """
-    if scores.shape[-1] == 0:  # no keys at all (amax has nothing to reduce)
-        sees_a_key = torch.zeros((*scores.shape[:-1], 1), dtype=torch.bool, device=scores.device)
-    else:
-        sees_a_key = scores.amax(dim=-1, keepdim=True) > float("-inf")
+    sees_a_key = (scores != float("-inf")).any(dim=-1, keepdim=True)
     return sees_a_key, torch.where(sees_a_key, scores, torch.zeros((), dtype=scores.dtype, device=scores.device))
 
 

@@ -153,7 +153,7 @@ def _attn_decode(
     if KV8:
         if not TOKEN_SCALES:
             acc = tk._value_scaled(acc, l_i, v_scale)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # NaN too (a NaN score): the split's output and lse are NaN
     l_safe = tl.where(seen, l_i, 1.0)
     part = (pid_bh.to(tl.int64) * SPLITS + split) * BLOCK_M
     # The workspace is ours, contiguous and aligned as TMA needs: with DESCRIPTORS the tile goes through a descriptor.
@@ -200,7 +200,7 @@ def _attn_decode_combine(
     if HAS_SINKS:  # 0 for a sink of -inf: a row that sees no key then keeps output 0 and lse -inf
         total += tl.exp2(sink2 - m_safe)
     outs = tl.load(PART_O + parts[:, None] * BLOCK_DV + offs_dv[None, :], mask=split_ok[:, None], other=0.0)
-    seen = total > 0.0
+    seen = total != 0.0  # NaN too: a split's NaN lse (or a NaN output weighed by it) makes the row NaN
     out = tl.sum(outs * weight[:, None], 0) / tl.where(seen, total, 1.0)
     # Pointers, not a descriptor: a program writes one row of D_v elements, which through TMA would take a descriptor
     # made by each program (128 bytes of scratch) and a trip through shared memory (compiled for sm_90 and sm_100:

@@ -279,8 +279,9 @@ def _dequantized_values(v, dtype, SCALES, PAGES, off_b, offs_n, load_ok, stride_
 @triton.jit
 def _value_scaled(acc, l_i, v_scale):
     """The accumulator [rows, D] of P V over an 8-bit V times the sequence's scale, in the rows that saw a key
-    (`l_i` > 0, before any sink): the others keep 0, whatever the scale of a sequence without keys holds."""
-    return tl.where((l_i > 0.0)[:, None], acc * v_scale, 0.0)
+    (`l_i` != 0, before any sink; NaN where a NaN score was seen): the others keep 0, whatever the scale of a
+    sequence without keys holds."""
+    return tl.where((l_i != 0.0)[:, None], acc * v_scale, 0.0)
 
 
 @triton.jit
@@ -652,8 +653,10 @@ def _attn_fwd(
         no_key = l_i == 0.0
         alpha, m_i, l_i = _fold_sink(m_i, l_i, sink * 1.4426950408889634)
         acc = acc * alpha[:, None]
-    # A row with no visible key: output 0, log-sum-exp -inf (with a sink: 0 and the sink's logit).
-    seen = l_i > 0.0
+    # A row with no visible key: output 0, log-sum-exp -inf (with a sink: 0 and the sink's logit). A NaN score makes
+    # l_i NaN (the GPU's maximum passes over NaN, the interpreter's carries it; the exp makes NaN either way): the
+    # row's output and lse are NaN, as SDPA's.
+    seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     if HAS_DROPOUT:
