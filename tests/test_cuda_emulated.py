@@ -29,6 +29,10 @@ from fused_attn.scores import PLAIN, sink_gradient, variant_of
 
 import test_varlen as varlen_tests  # packed batches and their padded definition
 
+pytest.importorskip("hypothesis")
+import combinations  # noqa: E402
+from hypothesis import given  # noqa: E402
+
 BUILD = pathlib.Path(__file__).resolve().parent / "emulation" / "build.py"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = testing.LAYOUTS
@@ -178,8 +182,16 @@ def test_emulated_matches_reference(emulated, name, dtype, rotation, generator):
 
 
 @pytest.mark.emulated_cuda
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(testing.NAN_CASES))
+@combinations.settings(40)
+@given(problem=combinations.problems(DTYPES))
+def test_emulated_any_combination_meets_criterion(emulated, problem):
+    """Every feature drawn together (tests/combinations.py): the long-query and decode kernels, forward and backward."""
+    inputs, _ = problem
+    combinations.check(run_emulated(emulated, inputs), inputs)
+
+
+@pytest.mark.emulated_cuda
+@pytest.mark.parametrize("name,dtype", [(name, DTYPES[i % len(DTYPES)]) for i, name in enumerate(testing.NAN_CASES)])
 def test_emulated_nan_inputs_give_nan_rows(emulated, name, dtype, generator):
     """A NaN query element and a NaN key element: NaN rows where the reference has them, on the long-query, decode
     and program paths (the CUDA maximum, fmaxf, passes over NaN: the row's sum carries it)."""

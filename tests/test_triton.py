@@ -38,6 +38,10 @@ from fused_attn.backends import triton_compat  # noqa: E402
 from fused_attn.backends import triton_kernels as tk  # noqa: E402
 from fused_attn.backends.triton import TritonBackend  # noqa: E402
 
+pytest.importorskip("hypothesis")
+import combinations  # noqa: E402
+from hypothesis import given  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -200,8 +204,14 @@ def _tiles(rotation: int) -> dict:
 # Tests
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,rotation", DTYPE_ROTATIONS)
-@pytest.mark.parametrize("name", list(CASES))
+# Each case with every (dtype, rotation) pair; `make test` (not slow) takes two pairs of each, turned along the cases
+# so that every pair still meets a share of them, and the drawn combinations (tests/combinations.py) the rest.
+MATCH_RUNS = [pytest.param(name, *pair.values, id=f"{name}-{pair.id}",
+                           marks=() if (index - turn) % len(DTYPE_ROTATIONS) in (0, 4) else pytest.mark.slow)
+              for index, name in enumerate(CASES) for turn, pair in enumerate(DTYPE_ROTATIONS)]
+
+
+@pytest.mark.parametrize("name,dtype,rotation", MATCH_RUNS)
 def test_matches_reference(name, dtype, rotation, generator):
     case = CASES[name]
     inputs = make_inputs(case, dtype, rotation, generator)
@@ -246,8 +256,7 @@ def test_decode_kernels_match_reference(name, dtype, splits, generator, monkeypa
     testing.check_inputs(results, inputs)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", list(testing.NAN_CASES))
+@pytest.mark.parametrize("name,dtype", [(name, DTYPES[i % len(DTYPES)]) for i, name in enumerate(testing.NAN_CASES)])
 def test_nan_inputs_give_nan_rows(name, dtype, generator, monkeypatch):
     """A NaN query element and a NaN key element: NaN rows where the reference has them (the GPU's maximum passes
     over NaN and the interpreter's carries it; the row's sum is NaN either way), in small tiles so that rows
@@ -257,6 +266,16 @@ def test_nan_inputs_give_nan_rows(name, dtype, generator, monkeypatch):
     with tk.forced_configs(**SMALL_TILES):
         results = run_backend(inputs)
     testing.check_nan_inputs(results, inputs)
+
+
+@combinations.settings(12)
+@given(problem=combinations.problems(DTYPES))
+def test_any_combination_meets_criterion(problem):
+    """Every feature drawn together (tests/combinations.py), in small tiles: the long-query and decode kernels."""
+    inputs, _ = problem
+    with tk.forced_configs(**SMALL_TILES):
+        results = run_backend(inputs)
+    combinations.check(results, inputs)
 
 
 def test_decode_split_count_override_is_checked(monkeypatch):
