@@ -82,8 +82,37 @@ def _reads_static_report(item) -> bool:
     return "static_gpu_report" in getattr(item, "fixturenames", ())
 
 
+def _build_emulation_in_background(session) -> None:
+    """Starts compiling the CUDA emulation (tests/emulation/build.py, 40 s of one core) in a thread of each worker
+    that will run its tests, so that the `emulated` fixture finds it built instead of holding a worker idle for it
+    (the compiler's lock serialises the workers; the fixture reports a failed build)."""
+    if session.config.option.collectonly or \
+            not any("emulated" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    import importlib.util
+    import pathlib
+    import sys
+    import threading
+
+    # Under the name tests/test_cuda_emulated.py loads it by: one module, one cached `load()`.
+    name = "fused_attn_cuda_emulation_build"
+    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).resolve().parent / "emulation" /
+                                                  "build.py")
+    build = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+
+    def compile_quietly():
+        try:
+            build.load()
+        except Exception:  # noqa: BLE001 - the fixture builds again and fails with the reason
+            pass
+
+    threading.Thread(target=compile_quietly, daemon=True).start()
+
+
 def pytest_collection_finish(session):
     global _pending_report, _report_writer
+    _build_emulation_in_background(session)
     if session.config.option.collectonly or \
             not any(_reads_static_report(item) for item in session.items):
         return
