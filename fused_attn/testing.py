@@ -620,14 +620,25 @@ def check_inputs(actual: Results, inputs: Inputs) -> dict[str, tuple[float, floa
         no_key = torch.full_like(exact.lse, float("-inf"))
         if inputs.sinks is not None:  # a row that sees no key has the sink alone in its softmax
             no_key = inputs.sinks.detach().cpu().double().view(1, -1, 1).expand_as(exact.lse)
-        # With a sink far above a row's scores its lse can equal the sink's in float64 too: the output tells.
-        hidden = (exact.lse == no_key) & (exact.out == 0).all(dim=-1)
+        hidden = rows_that_see_no_key(inputs)
         assert hidden.any(), "the case was meant to have rows that see no key"
         assert (actual.lse.detach().cpu().double()[hidden] == no_key[hidden]).all()
         assert (actual.out.detach().cpu()[hidden] == 0).all()
         if actual.grad_query is not None:
             assert (actual.grad_query.detach().cpu()[hidden] == 0).all()
     return report
+
+
+def rows_that_see_no_key(inputs: Inputs) -> torch.Tensor:
+    """Bool (B, H_q, L_q): the rows whose every score is hidden, from the reference's lse without sinks or dropout
+    (with them a row's lse or output cannot tell: a sink far above its scores gives the sink's lse in float64 too,
+    and dropout can zero its output)."""
+    case = inputs.case
+    variant = dataclasses.replace(inputs.variant(), sinks=None)
+    plain = reference_results(inputs.query, inputs.key, inputs.value, dtype=torch.float64, attn_mask=inputs.mask_view(),
+                              key_padding_mask=inputs.key_padding_mask, is_causal=case.is_causal, scale=case.scale,
+                              variant=variant)
+    return plain.lse == float("-inf")
 
 
 def run_backend(backend, inputs: Inputs, out_layout: str | None = None) -> Results:

@@ -38,12 +38,15 @@ def settings(default_examples: int):
 
 
 @st.composite
-def cases(draw) -> testing.Case:
-    """A random `testing.Case`: any combination of the features its fields describe that the call takes."""
+def cases(draw, longer: bool) -> testing.Case:
+    """A random `testing.Case`: any combination of the features its fields describe that the call takes; `longer`:
+    now and then longer than a mask program's tile (masks.TILE = 128), so that programs have several tiles each
+    way."""
     heads_kv = draw(st.integers(1, 3))
     decode = draw(st.booleans())
-    len_q = draw(st.integers(1, 16) if decode else st.integers(1, 90))
-    len_k = draw(st.integers(1, 120))
+    long_q, long_k = (st.integers(129, 300), st.integers(129, 400)) if longer else (st.nothing(), st.nothing())
+    len_q = draw(st.integers(1, 16) if decode else st.integers(1, 90) | long_q)
+    len_k = draw(st.integers(1, 120) | long_k)
     program = draw(st.sampled_from((None, None, *testing.PROGRAM_KINDS)))
     mask = None if program is not None else draw(st.sampled_from((None, "bool", "additive")))
     is_causal = draw(st.booleans())
@@ -76,11 +79,16 @@ def cases(draw) -> testing.Case:
         program=program)
 
 
-def problems(dtypes) -> st.SearchStrategy:
-    """(inputs, dtype) of a drawn case in one of `dtypes`, its tensors in a drawn rotation of the layouts."""
-    return st.builds(lambda case, dtype, rotation, seed: (
-        testing.random_inputs(case, dtype, rotation, torch.Generator().manual_seed(seed)), dtype),
-        cases(), st.sampled_from(dtypes), st.integers(0, len(testing.LAYOUTS) - 1), st.integers(0, 2 ** 31))
+def problems(dtypes, longer: bool = True) -> st.SearchStrategy:
+    """(case, dtype, rotation, seed): a drawn case in one of `dtypes`, a rotation of the layouts and the seed of its
+    values (`inputs_of` makes them)."""
+    return st.tuples(cases(longer), st.sampled_from(dtypes), st.integers(0, len(testing.LAYOUTS) - 1),
+                     st.integers(0, 2 ** 31))
+
+
+def inputs_of(problem, device="cpu") -> testing.Inputs:
+    case, dtype, rotation, seed = problem
+    return testing.random_inputs(case, dtype, rotation, torch.Generator().manual_seed(seed), device)
 
 
 def check(results: testing.Results, inputs: testing.Inputs) -> None:

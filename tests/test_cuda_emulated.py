@@ -189,7 +189,7 @@ def test_emulated_matches_reference(emulated, name, dtype, rotation, generator):
 @given(problem=combinations.problems(DTYPES))
 def test_emulated_any_combination_meets_criterion(emulated, problem):
     """Every feature drawn together (tests/combinations.py): the long-query and decode kernels, forward and backward."""
-    inputs, _ = problem
+    inputs = combinations.inputs_of(problem)
     combinations.check(run_emulated(emulated, inputs), inputs)
 
 
