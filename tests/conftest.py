@@ -89,17 +89,9 @@ def _build_emulation_in_background(session) -> None:
     if session.config.option.collectonly or \
             not any("emulated" in getattr(item, "fixturenames", ()) for item in session.items):
         return
-    import importlib.util
-    import pathlib
-    import sys
     import threading
 
-    # Under the name tests/test_cuda_emulated.py loads it by: one module, one cached `load()`.
-    name = "fused_attn_cuda_emulation_build"
-    spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).resolve().parent / "emulation" /
-                                                  "build.py")
-    build = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    from emulation import build  # tests/emulation, the module tests/test_cuda_emulated.py uses
 
     def compile_quietly():
         try:

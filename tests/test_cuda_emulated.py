@@ -13,9 +13,6 @@ With a GPU (`cuda`): the same cases through `fused_attn.attention(..., backend="
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -29,31 +26,25 @@ from fused_attn.problem import lse_dtype
 from fused_attn.scores import PLAIN, sink_gradient, variant_of
 
 import test_varlen as varlen_tests  # packed batches and their padded definition
+from emulation import build  # tests/emulation: one module, which conftest starts compiling early
 
 pytest.importorskip("hypothesis")
 import combinations  # noqa: E402
 from hypothesis import given  # noqa: E402
 
-BUILD = pathlib.Path(__file__).resolve().parent / "emulation" / "build.py"
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = testing.LAYOUTS
 
 
-def _build_module():
-    if "fused_attn_cuda_emulation_build" in sys.modules:  # conftest started compiling it in the background
-        return sys.modules["fused_attn_cuda_emulation_build"]
-    spec = importlib.util.spec_from_file_location("fused_attn_cuda_emulation_build", BUILD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def skip_without_cuda_headers():
+    if build.cuda_include_dir() is None:
+        pytest.skip("no cuda_fp16.h / cuda_bf16.h (neither a CUDA toolkit nor the triton wheel)")
 
 
 @pytest.fixture(scope="module")
 def emulated():
     """The emulated kernels (built once per session; a kernel that does not compile fails here)."""
-    build = _build_module()
-    if build.cuda_include_dir() is None:
-        pytest.skip("no cuda_fp16.h / cuda_bf16.h (neither a CUDA toolkit nor the triton wheel)")
+    skip_without_cuda_headers()
     return build.load()
 
 
@@ -569,9 +560,7 @@ def test_emulated_kernels_are_clean_under_sanitizers(sanitizer, tmp_path):
     (out-of-bounds accesses, undefined behaviour)."""
     import subprocess
 
-    build = _build_module()
-    if build.cuda_include_dir() is None:
-        pytest.skip("no cuda_fp16.h / cuda_bf16.h (neither a CUDA toolkit nor the triton wheel)")
+    skip_without_cuda_headers()
     binary = build.build_sanitized(sanitizer, tmp_path)
     done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=600)
     if "unexpected memory mapping" in done.stderr:  # the sanitizer runtime vs this kernel's ASLR
