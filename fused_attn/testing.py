@@ -171,10 +171,15 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def allowed_error(name: str, exact: torch.Tensor, same_dtype: torch.Tensor, dtype: torch.dtype) -> float:
-    """Twice the error of the same-dtype reference, plus the floor of `dtype` at the result's scale."""
+    """Twice the error of the same-dtype reference, plus the floor of `dtype` at the result's scale.
+
+    The same-dtype reference's NaN where float64 has a number is left out of its error: there it failed (oneDNN's
+    bf16 products on AMX give NaN in row 19 of a (40 × 70) @ (70 × 64) product whose NaN is in row 20), and its
+    error elsewhere still bounds the kernel's, which must be a number there (assert_close_to_reference)."""
     finite = exact[torch.isfinite(exact)]
     magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
-    return 2.0 * max_error(same_dtype, exact) + ERROR_FLOOR[dtype] * magnitude
+    failed = torch.isnan(same_dtype.detach().cpu()) & ~torch.isnan(exact.detach().cpu())
+    return 2.0 * max_error(same_dtype[~failed], exact[~failed]) + ERROR_FLOOR[dtype] * magnitude
 
 
 def assert_close_to_reference(actual: Results, exact: Results, same_dtype: Results,

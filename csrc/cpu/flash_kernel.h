@@ -2193,24 +2193,68 @@ inline void grad_scores(const acc_t* prob, acc_t* dp, int64_t n, acc_t delta) {
   if (j < n) (V::loadu(prob + j, n - j) * (V::loadu(dp + j, n - j) - vdelta)).store(dp + j, n - j);
 }
 
-// dst[c][r] (leading dimension ld_dst, columns rows..ld_dst zero) = src[r][c], r < rows, c < cols,
-// in the operand type: float tiles move by 16×16 register transposes; other operand types are
-// transposed in float (through `tmp`, cols × ld_dst) and then converted row by row.
-template <typename ct, typename acc_t>
-void transpose_tile(ct* dst, int64_t ld_dst, const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols,
-                    acc_t* tmp) {
-  if constexpr (std::is_same_v<ct, float> && std::is_same_v<acc_t, float>) {
-    transpose_32bit(dst, ld_dst, src, ld_src, rows, cols);
-  } else if constexpr (std::is_same_v<ct, acc_t>) {
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+// The B operand of a product over `rows` (its K dimension) in VNNI pairs, from float rows src (rows × n, leading
+// dimension ld_src): dst[((r / 2) · n + c) · 2 + r % 2] = src[r][c], a zero row after an odd last one. Each pair
+// of rows is interleaved in registers and converted in the same pass.
+template <typename ct>
+void pack_row_pairs(ct* dst, const float* src, int64_t ld_src, int64_t rows, int64_t n) {
+  using V = Vectorized<float>;
+  constexpr int64_t W = V::size();
+  for (int64_t r = 0; r < rows; r += 2) {
+    const float* upper = src + r * ld_src;
+    const float* lower = r + 1 < rows ? upper + ld_src : nullptr;
+    ct* out = dst + r * n;
+    int64_t c = 0;
+    for (; c + W <= n; c += W) {
+      const auto [first, second] = at::vec::interleave2(V::loadu(upper + c), lower ? V::loadu(lower + c) : V(0.f));
+      store_pair(out + 2 * c, first, second);
+    }
+    if (c < n) {
+      const int64_t count = n - c;
+      const auto [first, second] =
+          at::vec::interleave2(V::loadu(upper + c, count), lower ? V::loadu(lower + c, count) : V(0.f));
+      store_weights(first, second, out + 2 * c, 2 * count);
+    }
+  }
+}
+
+// The A operand srcᵀ (cols × rows, leading dimension ld_dst, columns rows..ld_dst zero) of src (rows × cols, strides
+// sm, sk) in the operand type: for 16-bit operands, 32 × 32 register transposes where the rows are contiguous.
+template <typename ct, typename st>
+void pack_transposed(ct* dst, int64_t ld_dst, const st* src, int64_t sm, int64_t sk, int64_t rows, int64_t cols) {
+  if constexpr (kVnni<ct>) {
+    static_assert(std::is_same_v<ct, st>, "16-bit operands keep the input type");
+    if (sk == 1) {
+      constexpr int64_t T = 32;
+      for (int64_t r = 0; r < rows; r += T) {
+        for (int64_t c = 0; c < cols; c += T) {
+          at::vec::transpose_mxn<ct>(src + r * sm + c, sm, dst + c * ld_dst + r, ld_dst,
+                                     static_cast<int>(std::min(T, rows - r)), static_cast<int>(std::min(T, cols - c)));
+        }
+      }
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * sm + c * sk];
+      }
+    }
+    if (ld_dst > rows) {
+      for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_dst + rows, dst + (c + 1) * ld_dst, ct(0));
     }
   } else {
-    transpose_32bit(tmp, ld_dst, src, ld_src, rows, cols);
-    for (int64_t c = 0; c < cols; ++c) convert_floats(tmp + c * ld_dst, dst + c * ld_dst, rows);
+    TORCH_INTERNAL_ASSERT(ld_dst == rows, "float operands need no padding column");
+    pack_b(dst, src, sk, sm, cols, cols, rows);  // B[c][r] = src[r][c]: Kᵀ's packing
   }
-  if (ld_dst > rows) {
-    for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_dst + rows, dst + (c + 1) * ld_dst, ct(0));
+}
+
+// dst (cols × rows, contiguous) = srcᵀ of src (rows × cols, leading dimension ld_src), in the accumulation type.
+template <typename acc_t>
+void transpose_accumulator(acc_t* dst, const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    transpose_32bit(dst, rows, src, ld_src, rows, cols);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld_src + c];
+    }
   }
 }
 
@@ -2288,7 +2332,7 @@ void backward_impl(const Params& p) {
       Scratch::bytes<ct>(BQpad * Dv) + 2 * Scratch::bytes<acc_t>(BQ * BK) +
       2 * Scratch::bytes<ct>(BK * BQpad) + Scratch::bytes<ct>(BQ * BKpad) +
       Scratch::bytes<acc_t>(BK * D) + Scratch::bytes<acc_t>(BK * Dv) +
-      Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(BK * BQpad) +
+      Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(D * BK) + Scratch::bytes<acc_t>(Dv * BK) +
       (p.dropout.enabled ? Scratch::bytes<uint32_t>(BK) : 0) + (p.softcap > 0.0 ? Scratch::bytes<acc_t>(BK) : 0);
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);  // 1 without dropout
   const bool plain_scores = scores_are_plain(p);
@@ -2310,17 +2354,18 @@ void backward_impl(const Params& p) {
     ct* k_b = scratch.take<ct>(BKpad * D);      // K block as B of dQ += dS K
     ct* q_a = scratch.take<ct>(BQ * Dpad);      // Q block as A
     ct* do_a = scratch.take<ct>(BQ * Dvpad);    // dO block as A
-    ct* q_b = scratch.take<ct>(BQpad * D);      // Q block as B of dK += dSᵀ Q
-    ct* do_b = scratch.take<ct>(BQpad * Dv);    // dO block as B of dV += Pᵀ dO
+    ct* qt_a = scratch.take<ct>(D * BQpad);     // Qᵀ block as A of dKᵀ += Qᵀ dS
+    ct* dot_a = scratch.take<ct>(Dv * BQpad);   // dOᵀ block as A of dVᵀ += dOᵀ P
     acc_t* sbuf = scratch.take<acc_t>(BQ * BK);
     acc_t* dpbuf = scratch.take<acc_t>(BQ * BK);
-    ct* pt = scratch.take<ct>(BK * BQpad);      // Pᵀ
-    ct* dst = scratch.take<ct>(BK * BQpad);     // dSᵀ
+    ct* p_pairs = scratch.take<ct>(BQpad * BK);   // P as the B operand of dVᵀ, in VNNI pairs of rows
+    ct* ds_pairs = scratch.take<ct>(BQpad * BK);  // dS as the B operand of dKᵀ, in VNNI pairs of rows
     ct* ds = scratch.take<ct>(BQ * BKpad);      // dS
-    acc_t* dk_acc = scratch.take<acc_t>(BK * D);
-    acc_t* dv_acc = scratch.take<acc_t>(BK * Dv);
+    acc_t* dk_acc = scratch.take<acc_t>(BK * D);    // the key block's dK rows, from dkt_acc when they are stored
+    acc_t* dv_acc = scratch.take<acc_t>(BK * Dv);   // its dV rows
     acc_t* dq_acc = scratch.take<acc_t>(groups * Lq * D);
-    acc_t* tbuf = std::is_same_v<ct, acc_t> ? nullptr : scratch.take<acc_t>(BK * BQpad);
+    acc_t* dkt_acc = scratch.take<acc_t>(D * BK);   // dKᵀ of the key block (leading dimension BK)
+    acc_t* dvt_acc = scratch.take<acc_t>(Dv * BK);  // dVᵀ
     uint32_t* bits = p.dropout.enabled ? scratch.take<uint32_t>(BK) : nullptr;
     acc_t* cap_grad = p.softcap > 0.0 ? scratch.take<acc_t>(BK) : nullptr;
 
@@ -2381,8 +2426,8 @@ void backward_impl(const Params& p) {
         pack_b(kt_b, k_ptr, p.key.s[3], p.key.s[2], D, Dpad, bk);
         pack_b(vt_b, v_ptr, p.value.s[3], p.value.s[2], Dv, Dvpad, bk);
         pack_b(k_b, k_ptr, p.key.s[2], p.key.s[3], bk, bkpad, D);
-        std::fill(dk_acc, dk_acc + bk * D, acc_t(0));
-        std::fill(dv_acc, dv_acc + bk * Dv, acc_t(0));
+        std::fill(dkt_acc, dkt_acc + D * BK, acc_t(0));
+        std::fill(dvt_acc, dvt_acc + Dv * BK, acc_t(0));
 
         // Only the queries whose window reaches these keys (causal: from row k0 on) are visited.
         const KeyRange queries = queries_seeing(p, k0, k0 + bk);
@@ -2406,15 +2451,8 @@ void backward_impl(const Params& p) {
                 dO + b * p.grad_out.s[0] + h * p.grad_out.s[1] + q0 * p.grad_out.s[2];
             pack_a(q_a, Dpad, q_ptr, p.query.s[2], p.query.s[3], bq, D);
             pack_a(do_a, Dvpad, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, Dv);
-            // As B of dK += dSᵀ Q and dV += Pᵀ dO. Plain layouts equal the A packing just done.
-            const ct* qb = q_a;
-            const ct* dob = do_a;
-            if constexpr (vnni) {
-              pack_b(q_b, q_ptr, p.query.s[2], p.query.s[3], bq, bqpad, D);
-              pack_b(do_b, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, bqpad, Dv);
-              qb = q_b;
-              dob = do_b;
-            }
+            pack_transposed(qt_a, bqpad, q_ptr, p.query.s[2], p.query.s[3], bq, D);
+            pack_transposed(dot_a, bqpad, do_ptr, p.grad_out.s[2], p.grad_out.s[3], bq, Dv);
             gemm<ct, acc_t>(bq, w, Dpad, q_a, Dpad, kt_b + column, bk, sbuf, bk, false, p.use_brgemm);
             gemm<ct, acc_t>(bq, w, Dvpad, do_a, Dvpad, vt_b + column, bk, dpbuf, bk, false, p.use_brgemm);
 
@@ -2457,9 +2495,6 @@ void backward_impl(const Params& p) {
               std::fill(srow + last, srow + w, acc_t(0));
               std::fill(dprow + last, dprow + w, acc_t(0));
             }
-            // Pᵀ and dSᵀ (w × bq, columns bq..bqpad zero), the A operands of dV and dK.
-            transpose_tile(pt, bqpad, sbuf, bk, bq, w, tbuf);
-            transpose_tile(dst, bqpad, dpbuf, bk, bq, w, tbuf);
             const ct* ds_a = reinterpret_cast<const ct*>(dpbuf);
             int64_t ld_ds = bk;
             if constexpr (!std::is_same_v<ct, acc_t>) {
@@ -2470,12 +2505,27 @@ void backward_impl(const Params& p) {
               ds_a = ds;
               ld_ds = wpad;
             }
-            gemm<ct, acc_t>(w, Dv, bqpad, pt, bqpad, dob, Dv, dv_acc + lead * Dv, Dv, true, p.use_brgemm);
-            gemm<ct, acc_t>(w, D, bqpad, dst, bqpad, qb, D, dk_acc + lead * D, D, true, p.use_brgemm);
+            // dVᵀ += dOᵀ P and dKᵀ += Qᵀ dS, not dV += Pᵀ dO and dK += dSᵀ Q: P and dS are B operands as they lie
+            // (float) or as VNNI pairs of rows (one pass over the floats, where transposing both took 16 % of a bf16
+            // forward+backward on AMX, bench/NOTES.md section 71); dKᵀ and dVᵀ are transposed once per key block.
+            const ct* p_b = reinterpret_cast<const ct*>(sbuf);
+            const ct* ds_b = reinterpret_cast<const ct*>(dpbuf);
+            int64_t ld_b = bk;
+            if constexpr (vnni) {
+              pack_row_pairs(p_pairs, sbuf, bk, bq, w);
+              pack_row_pairs(ds_pairs, dpbuf, bk, bq, w);
+              p_b = p_pairs;
+              ds_b = ds_pairs;
+              ld_b = w;
+            }
+            gemm<ct, acc_t>(Dv, w, bqpad, dot_a, bqpad, p_b, ld_b, dvt_acc + lead, BK, true, p.use_brgemm);
+            gemm<ct, acc_t>(D, w, bqpad, qt_a, bqpad, ds_b, ld_b, dkt_acc + lead, BK, true, p.use_brgemm);
             gemm<ct, acc_t>(bq, D, wpad, ds_a, ld_ds, k_b + lead * D, D, dq_acc + (g * Lq + q0) * D, D, true,
                             p.use_brgemm);
           }
         }
+        transpose_accumulator(dk_acc, dkt_acc, BK, D, bk);
+        transpose_accumulator(dv_acc, dvt_acc, BK, Dv, bk);
         for (int64_t j = 0; j < bk; ++j) store_key_grads(k0 + j, dk_acc + j * D, dv_acc + j * Dv);
       }
       for (int64_t g = 0; g < groups; ++g) {
