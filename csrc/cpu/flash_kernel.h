@@ -15,7 +15,8 @@
 // query head of their group, so no two threads write the same gradient element and the order of
 // every sum is fixed by the loops alone: the gradients are bit-identical across runs and thread
 // counts. Per key block (outer) and query block (inner) it recomputes S and P = exp(S - lse), forms
-// dP = dO Vᵀ and dS = P (dP - delta), and accumulates dV += Pᵀ dO, dK += dSᵀ Q, dQ += dS K.
+// dP = dO Vᵀ and dS = P (dP - delta), and accumulates dVᵀ += dOᵀ P, dKᵀ += Qᵀ dS (transposed once per key
+// block) and dQ += dS K.
 //
 // Every tensor is read through its strides: each block is copied ("packed") into a small per-thread
 // buffer in the layout the matrix product wants, which is also where bf16/fp16 operands either stay
@@ -2330,7 +2331,7 @@ void backward_impl(const Params& p) {
       Scratch::bytes<ct>(Dpad * BK) + Scratch::bytes<ct>(Dvpad * BK) + Scratch::bytes<ct>(BKpad * D) +
       Scratch::bytes<ct>(BQ * Dpad) + Scratch::bytes<ct>(BQ * Dvpad) + Scratch::bytes<ct>(BQpad * D) +
       Scratch::bytes<ct>(BQpad * Dv) + 2 * Scratch::bytes<acc_t>(BQ * BK) +
-      2 * Scratch::bytes<ct>(BK * BQpad) + Scratch::bytes<ct>(BQ * BKpad) +
+      (vnni ? 2 * Scratch::bytes<ct>(BQpad * BK) : 0) + Scratch::bytes<ct>(BQ * BKpad) +
       Scratch::bytes<acc_t>(BK * D) + Scratch::bytes<acc_t>(BK * Dv) +
       Scratch::bytes<acc_t>(groups * Lq * D) + Scratch::bytes<acc_t>(D * BK) + Scratch::bytes<acc_t>(Dv * BK) +
       (p.dropout.enabled ? Scratch::bytes<uint32_t>(BK) : 0) + (p.softcap > 0.0 ? Scratch::bytes<acc_t>(BK) : 0);
@@ -2358,8 +2359,9 @@ void backward_impl(const Params& p) {
     ct* dot_a = scratch.take<ct>(Dv * BQpad);   // dOᵀ block as A of dVᵀ += dOᵀ P
     acc_t* sbuf = scratch.take<acc_t>(BQ * BK);
     acc_t* dpbuf = scratch.take<acc_t>(BQ * BK);
-    ct* p_pairs = scratch.take<ct>(BQpad * BK);   // P as the B operand of dVᵀ, in VNNI pairs of rows
-    ct* ds_pairs = scratch.take<ct>(BQpad * BK);  // dS as the B operand of dKᵀ, in VNNI pairs of rows
+    // P and dS as the B operands of dVᵀ and dKᵀ in VNNI pairs of rows (float ones are read where they lie).
+    ct* p_pairs = vnni ? scratch.take<ct>(BQpad * BK) : nullptr;
+    ct* ds_pairs = vnni ? scratch.take<ct>(BQpad * BK) : nullptr;
     ct* ds = scratch.take<ct>(BQ * BKpad);      // dS
     acc_t* dk_acc = scratch.take<acc_t>(BK * D);    // the key block's dK rows, from dkt_acc when they are stored
     acc_t* dv_acc = scratch.take<acc_t>(BK * Dv);   // its dV rows
