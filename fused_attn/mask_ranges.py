@@ -275,19 +275,24 @@ def _sparse_range_extremes(values, others, lo, hi):
     def shifted(table, width):  # table[..., min(i + width, length - 1)]
         return torch.cat([table[..., width:], table[..., -1:].expand(*table.shape[:-1], width)], dim=-1)
 
+    count = hi - lo + 1
+    # Only the levels the widest range needs (a tile's 64 positions: 7 of the 14 at 8192).
+    widest = int(count.max()) if count.numel() else 1
     minima, maxima = [values], [values]
     width = 1
-    while 2 * width <= length:  # level k: the extremes of the 2^k values from each position (fewer at the end)
+    while 2 * width <= min(length, widest):  # level k: the extremes of the 2^k values from each position
         minima.append(torch.minimum(minima[-1], shifted(minima[-1], width)))
         maxima.append(torch.maximum(maxima[-1], shifted(maxima[-1], width)))
         width *= 2
-    count = hi - lo + 1
     # floor(log2(count)), exact in float64 for counts far beyond any length (2^k - 1 stays below k there).
     level = torch.log2(count.to(torch.float64)).floor().long().clamp(0, len(minima) - 1)
     second = hi - torch.pow(2, level) + 1
-    minima, maxima = torch.stack(minima), torch.stack(maxima)
-    low = torch.minimum(minima[(level, *others, lo)], minima[(level, *others, second)])
-    high = torch.maximum(maxima[(level, *others, lo)], maxima[(level, *others, second)])
+    if level.numel() and int(level.min()) == len(minima) - 1:  # one width for every range: read that level alone
+        minima, maxima, where = minima[-1], maxima[-1], ()
+    else:
+        minima, maxima, where = torch.stack(minima), torch.stack(maxima), (level,)
+    low = torch.minimum(minima[(*where, *others, lo)], minima[(*where, *others, second)])
+    high = torch.maximum(maxima[(*where, *others, lo)], maxima[(*where, *others, second)])
     return low, high
 
 

@@ -521,6 +521,7 @@ def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: i
     int32 with the pairs past the lengths 0, some (n,) bool: a pair is seen, every (n,) bool: all are)."""
     device = where.device
     offsets = torch.arange(TILE, device=device)
+    lengths_cut_tiles = len_q % TILE != 0 or len_k % TILE != 0
     bits, some, every = [], [], []
     for start in range(0, where.shape[0], TILES_PER_BATCH):
         part = where[start:start + TILES_PER_BATCH]
@@ -528,9 +529,13 @@ def _evaluate_tiles(mask_mod: MaskMod, where: torch.Tensor, len_q: int, len_k: i
         q = ((part[:, 2] * TILE).view(-1, 1, 1) + offsets.view(1, TILE, 1)).clamp(max=len_q - 1)
         kv = ((part[:, 3] * TILE).view(-1, 1, 1) + offsets.view(1, 1, TILE)).clamp(max=len_k - 1)
         seen = torch.as_tensor(mask_mod(b, h, q, kv), device=device).expand(part.shape[0], TILE, TILE)
-        # Seen and every pair seen are read from the packed words (32 pairs a word), the lengths applied there.
-        inside = _inside_words(part, len_q, len_k)
-        words = _pack_bits(seen) & inside
+        # Seen and every pair seen are read from the packed words (32 pairs a word), the lengths applied there
+        # where they cut a tile.
+        words = _pack_bits(seen)
+        inside = -1  # all 32 pairs of each word, where no length cuts the tiles
+        if lengths_cut_tiles:
+            inside = _inside_words(part, len_q, len_k)
+            words &= inside
         bits.append(words)
         some.append((words != 0).flatten(1).any(dim=1))
         every.append((words == inside).flatten(1).all(dim=1))

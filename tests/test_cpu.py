@@ -875,6 +875,12 @@ QUANTIZED_CASES = {
     "decode_one_block_per_sequence": dict(len_q=2, heads_q=2, heads_kv=2, block_size=64, lengths=(64, 40),
                                           is_causal=True),
     "decode_split_keys": dict(len_q=1, heads_q=2, heads_kv=1, block_size=16, lengths=(1100,), alibi=True),
+    # D past a multiple of 32, and 8 (then 1) rows an item: bf16 queries take the 8-bit keys' scores in bf16 pairs
+    # where they have two rows or more (the AVX512_BF16 copy), the rest of D and a single row as float.
+    "decode_gqa_pairs_and_tail": dict(len_q=1, heads_q=8, heads_kv=2, block_size=16, lengths=(70, 33, 0), dim=72,
+                                      dim_v=40),
+    "decode_rows_of_pairs_causal_softcap": dict(len_q=3, heads_q=6, heads_kv=2, block_size=5, lengths=(45, 64),
+                                                is_causal=True, softcap=2.0, dim=64),
     "long_queries_causal_odd_blocks": dict(len_q=37, heads_q=4, heads_kv=2, block_size=7, lengths=(60, 45),
                                            is_causal=True, alibi=True),
     "long_queries_window_softcap_sinks": dict(len_q=20, heads_q=2, heads_kv=2, block_size=16, lengths=(90, 0),
@@ -982,9 +988,28 @@ def dequantized_by_the_kernels(stored, scale):
     return out.flatten()
 
 
+def scores_by_the_kernels(stored, scale, dtype):
+    """The float32 scores, through the lse, of two query rows (of `dtype`) per sequence against a sequence's one key,
+    whose 32 values are 0 but stored[i] at i % 32 for sequence i: each query is 1 there. Two rows an item and D = 32:
+    the bf16 pairs of the decode kernels' scores (row_dots) take a bf16 query's."""
+    count, dim = stored.numel(), 32
+    sequence, position = torch.arange(count), torch.arange(count) % dim
+    k_blocks = torch.zeros(count, 1, 1, dim, dtype=torch.int8)
+    k_blocks[sequence, 0, 0, position] = stored.view(torch.int8)
+    query = torch.zeros(count, 2, 1, dim, dtype=dtype)
+    query[sequence, :, 0, position] = 1
+    out = torch.empty(count, 2, 1, dim, dtype=dtype)
+    scales = torch.full((count, 1), scale)
+    lse = torch.ops.fused_attn.paged_forward(query, k_blocks.view(stored.dtype), k_blocks.view(stored.dtype),
+                                             sequence.int()[:, None], None, None, False, 1.0, out, k_scale=scales,
+                                             v_scale=scales)
+    return lse[:, :, 0]
+
+
 def check_every_8bit_value():
     """Every byte of both formats but e4m3fn's NaN, e4m3fn's subnormals included, dequantized exactly by the decode
-    and the long-query kernels, also with denormals flushed (torch.set_flush_denormal)."""
+    and the long-query kernels, as values and as keys (fp32 and bf16 queries), also with denormals flushed
+    (torch.set_flush_denormal)."""
     codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     decode = os.environ.get("FUSED_ATTN_CPU_DECODE")
     try:
@@ -997,6 +1022,9 @@ def check_every_8bit_value():
             for scale in (1.0, 0.37):
                 expected = stored.float() * scale
                 torch.testing.assert_close(dequantized_by_the_kernels(stored, scale), expected, rtol=4e-7, atol=0)
+                for dtype in (torch.float32, torch.bfloat16):
+                    scores = scores_by_the_kernels(stored, scale, dtype)
+                    torch.testing.assert_close(scores, expected[:, None].expand(-1, 2), rtol=4e-7, atol=0)
     finally:
         torch.set_flush_denormal(False)
         if decode is None:
@@ -1019,7 +1047,7 @@ def test_quantized_cache_on_every_instruction_set(isa):
         "for dtype in (torch.float32, torch.bfloat16):\n"
         "    for cache_dtype in t.CACHE_DTYPES:\n"
         "        for name in ('decode_gqa_blocks_of_16', 'decode_softcap_odd_blocks_dims',\n"
-        "                     'long_queries_causal_odd_blocks'):\n"
+        "                     'decode_gqa_pairs_and_tail', 'long_queries_causal_odd_blocks'):\n"
         "            for per_token in (False, True):\n"
         "                t.run_quantized_case(g, name, dtype, cache_dtype, per_token)\n"))
 

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -499,6 +500,34 @@ inline Vectorized<float> load_stored(const Elem* src) {
   return Vectorized<float>::loadu(lanes);
 #endif
 }
+
+// Whether this copy takes the scores of bf16 queries against 8-bit keys in bf16 pairs (row_dots).
+#if defined(FUSED_ATTN_AVX512_BF16)
+constexpr bool kPairDots = true;
+#else
+constexpr bool kPairDots = false;
+#endif
+
+#if defined(FUSED_ATTN_AVX512_BF16)
+// stored_value of 32 bytes from src on as bf16, exactly: int8's values and e4m3's fp16 readings have at most 8
+// significant bits, and the readings are normal floats (2^-17 at the least), which vdpbf16ps does not flush.
+template <CacheType kType>
+C10_ALWAYS_INLINE __m512bh load_stored_pairs(const int8_t* src) {
+  static_assert(kType != CacheType::Plain, "8-bit rows only");
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  __m512 low, high;
+  if constexpr (kType == CacheType::Int8) {
+    low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+    high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+  } else {
+    const __m512i shifted = _mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7);
+    const __m512i halves = _mm512_and_si512(shifted, _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    low = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+    high = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
+  }
+  return _mm512_cvtne2ps_pbh(high, low);
+}
+#endif
 
 // dst[i] = the value of byte src[i * stride] times `scale`, i < n; vectorised along unit strides.
 template <CacheType kType>
@@ -1783,9 +1812,11 @@ inline Vectorized<float> load_first(const float* src, int64_t count) {
 // float the keys go a group at a time, as many as leave one accumulator per (row, key) in a vector's lanes: W
 // independent chains of multiply-adds, each query vector loaded once per group, and the group's dots summed by one
 // lane_sums and stored a row's keys at a time. (In double, or for more rows than lanes, key by key, each dot summed
-// on its own.)
+// on its own.) q_pairs: the same q rows as bf16 (R × D), given where they are exactly the queries' values; in the
+// AVX512_BF16 copy an 8-bit key's values then go 32 at a time as bf16 into vdpbf16ps, for two rows or more.
 template <CacheType kType, typename T, typename Elem, int R, typename KeyAt>
-void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, int64_t n, T* s, int64_t lds) {
+void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, int64_t n, T* s, int64_t lds,
+              const c10::BFloat16* q_pairs = nullptr) {
   using V = Vectorized<T>;
   constexpr int W = V::size();
   constexpr bool grouped = std::is_same_v<T, float> && R <= W;  // (NEON's 4 lanes take up to 4 rows grouped)
@@ -1814,7 +1845,24 @@ void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, 
     for (int64_t j = j0 + ahead; j < std::min(n, j0 + ahead + kKeys); ++j) prefetch_rows(key_at(j), 0, 1, D);
     V acc[R * kKeys];
     for (auto& a : acc) a = V(T(0));
-    for (int64_t d = 0; d < full; d += W) {
+    int64_t paired = 0;  // the values taken in pairs
+#if defined(FUSED_ATTN_AVX512_BF16)
+    // 32 products an instruction at an FMA's rate, where the FMAs were the scores' cost (bench/NOTES.md section 74).
+    // A single row's cost is the conversions, to which the pairs add one.
+    if constexpr (grouped && kType != CacheType::Plain && R >= 2) {
+      if (q_pairs != nullptr) {
+        for (; paired + 2 * W <= D; paired += 2 * W) {
+          __m512bh k[kKeys];
+          for (int i = 0; i < kKeys; ++i) k[i] = load_stored_pairs<kType>(key[i] + paired);
+          for (int r = 0; r < R; ++r) {
+            const auto query = std::bit_cast<__m512bh>(_mm512_loadu_si512(q_pairs + r * D + paired));
+            for (int i = 0; i < kKeys; ++i) acc[r * kKeys + i] = _mm512_dpbf16_ps(acc[r * kKeys + i], query, k[i]);
+          }
+        }
+      }
+    }
+#endif
+    for (int64_t d = paired; d < full; d += W) {
       V k[kKeys];
       for (int i = 0; i < kKeys; ++i) k[i] = load(key[i] + d);
       for (int r = 0; r < R; ++r) {
@@ -1919,9 +1967,11 @@ inline void prefetch_following_keys(const Params& p, const View& view, int64_t b
 // across the cache's blocks: row_dots, kDotRows rows at a time, over the rows find_stored_rows lists in
 // `found` and `factors` (room for n each). The operands are float wherever this is reached. `following`: how many
 // keys after these the item reads next, whose first rows are asked for ahead (they may lie in another cache block).
+// q_pairs: q as bf16 where those are the queries' values (row_dots), or nullptr.
 template <typename PlainT, typename Q, typename S>
 void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t hk, int64_t k0, int64_t n, S* s,
-                   int64_t lds, int64_t following, const void** found, float* factors) {
+                   int64_t lds, int64_t following, const void** found, float* factors,
+                   const c10::BFloat16* q_pairs) {
   if constexpr (std::is_same_v<Q, float> && std::is_same_v<S, float>) {
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
@@ -1931,9 +1981,9 @@ void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t
           prefetch_following_keys<StoredElem<kType, PlainT>>(p, p.key, b, hk, k0 + n, following, p.dim_qk);
         }
         const auto key_at = [found](int64_t j) { return stored_row<kType, PlainT>(found[j]); };
-        row_dots<kType, float, StoredElem<kType, PlainT>, decltype(count)::value>(q + r0 * p.dim_qk, p.dim_qk,
-                                                                                  key_at, factors, n, s + r0 * lds,
-                                                                                  lds);
+        row_dots<kType, float, StoredElem<kType, PlainT>, decltype(count)::value>(
+            q + r0 * p.dim_qk, p.dim_qk, key_at, factors, n, s + r0 * lds, lds,
+            q_pairs == nullptr ? nullptr : q_pairs + r0 * p.dim_qk);
       });
     }
   } else {
@@ -2007,6 +2057,9 @@ void decode_impl(const Params& p) {
   const bool k_stored = stored && p.key.s[3] == 1;
   const bool v_stored = stored && p.value.s[3] == 1;
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
+  // bf16 queries' rows as bf16 too, for the scores against an 8-bit cache's keys (row_dots' pairs).
+  constexpr bool bf16_pairs = kPairDots && std::is_same_v<scalar_t, c10::BFloat16>;
+  const bool q_as_pairs = bf16_pairs && quantized && k_stored;
   // A paged cache's key blocks span its blocks (the stored readers list a block's rows across them; the other row
   // operations run cache block by cache block) except where a product packs K or V whole: VNNI pairs, or Kᵀ of
   // in-place rows for more than kDotRows rows.
@@ -2014,6 +2067,7 @@ void decode_impl(const Params& p) {
   const acc_t keep_scale = static_cast<acc_t>(p.dropout.keep_scale);
   using Buffers = SoftmaxBuffers<acc_t, ct>;
   const size_t scratch_bytes = Scratch::bytes<ct>(rows * Dpad) + Scratch::bytes<ct>(Dpad * BK) +
+                               (q_as_pairs ? Scratch::bytes<c10::BFloat16>(rows * D) : 0) +
                                (k_as_float_rows ? Scratch::bytes<ct>(BK * D) : 0) +
                                (v_in_place || v_stored ? 0 : Scratch::bytes<ct>(BKpad * Dv)) +
                                (stored ? Scratch::bytes<const void*>(BK) + Scratch::bytes<float>(BK) : 0) +
@@ -2034,6 +2088,7 @@ void decode_impl(const Params& p) {
     Scratch scratch(scratch_bytes, p.poison_scratch);
     ct* qbuf = scratch.take<ct>(rows * Dpad);
     ct* kbuf = scratch.take<ct>(Dpad * BK);
+    c10::BFloat16* q_pairs = q_as_pairs ? scratch.take<c10::BFloat16>(rows * D) : nullptr;
     ct* krows = k_as_float_rows ? scratch.take<ct>(BK * D) : nullptr;
     ct* vbuf = v_in_place || v_stored ? nullptr : scratch.take<ct>(BKpad * Dv);
     // A key block's rows read in place (K's, then V's) and their scales' factors: find_stored_rows.
@@ -2046,8 +2101,11 @@ void decode_impl(const Params& p) {
     for (int64_t item; (item = next_item()) >= 0;) {
       const int64_t split = item % splits, hk = (item / splits) % p.heads_kv, b = item / (splits * p.heads_kv);
       for (int64_t g = 0; g < groups; ++g) {
-        pack_a(qbuf + g * Lq * Dpad, Dpad, Q + b * p.query.s[0] + (hk * groups + g) * p.query.s[1],
-               p.query.s[2], p.query.s[3], Lq, D);
+        const scalar_t* q_head = Q + b * p.query.s[0] + (hk * groups + g) * p.query.s[1];
+        pack_a(qbuf + g * Lq * Dpad, Dpad, q_head, p.query.s[2], p.query.s[3], Lq, D);
+        if constexpr (bf16_pairs) {
+          if (q_as_pairs) pack_a(q_pairs + g * Lq * D, D, q_head, p.query.s[2], p.query.s[3], Lq, D);
+        }
       }
       buffers.start(rows);
       // The keys some row sees, then this split's share of them.
@@ -2072,7 +2130,7 @@ void decode_impl(const Params& p) {
           gemm<ct, acc_t>(rows, bk, Dpad, qbuf, Dpad, kbuf, bk, sbuf, bk, false, p.use_brgemm);
         } else if (k_stored) {
           stored_scores<PlainRows>(p, qbuf, rows, b, hk, k0, bk, sbuf, bk, k_end - (k0 + bk), found_rows,
-                                   row_factors);
+                                   row_factors, q_pairs);
         } else {
           const ct* k_float = krows;
           int64_t ldk = D;
@@ -2219,8 +2277,9 @@ void pack_row_pairs(ct* dst, const float* src, int64_t ld_src, int64_t rows, int
   }
 }
 
-// The A operand srcᵀ (cols × rows, leading dimension ld_dst, columns rows..ld_dst zero) of src (rows × cols, strides
-// sm, sk) in the operand type: for 16-bit operands, 32 × 32 register transposes where the rows are contiguous.
+// srcᵀ (cols × rows, leading dimension ld_dst, columns rows..ld_dst zero) of src (rows × cols, strides sm, sk) in the
+// type ct: the backward's A operands Qᵀ and dOᵀ, and its dK and dV from the accumulated dKᵀ and dVᵀ. For 16-bit
+// operands, 32 × 32 register transposes where the rows are contiguous.
 template <typename ct, typename st>
 void pack_transposed(ct* dst, int64_t ld_dst, const st* src, int64_t sm, int64_t sk, int64_t rows, int64_t cols) {
   if constexpr (kVnni<ct>) {
@@ -2244,18 +2303,6 @@ void pack_transposed(ct* dst, int64_t ld_dst, const st* src, int64_t sm, int64_t
   } else {
     TORCH_INTERNAL_ASSERT(ld_dst == rows, "float operands need no padding column");
     pack_b(dst, src, sk, sm, cols, cols, rows);  // B[c][r] = src[r][c]: Kᵀ's packing
-  }
-}
-
-// dst (cols × rows, contiguous) = srcᵀ of src (rows × cols, leading dimension ld_src), in the accumulation type.
-template <typename acc_t>
-void transpose_accumulator(acc_t* dst, const acc_t* src, int64_t ld_src, int64_t rows, int64_t cols) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    transpose_32bit(dst, rows, src, ld_src, rows, cols);
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * ld_src + c];
-    }
   }
 }
 
@@ -2526,8 +2573,8 @@ void backward_impl(const Params& p) {
                             p.use_brgemm);
           }
         }
-        transpose_accumulator(dk_acc, dkt_acc, BK, D, bk);
-        transpose_accumulator(dv_acc, dvt_acc, BK, Dv, bk);
+        pack_transposed(dk_acc, D, dkt_acc, BK, 1, D, bk);
+        pack_transposed(dv_acc, Dv, dvt_acc, BK, 1, Dv, bk);
         for (int64_t j = 0; j < bk; ++j) store_key_grads(k0 + j, dk_acc + j * D, dv_acc + j * Dv);
       }
       for (int64_t g = 0; g < groups; ++g) {
