@@ -276,7 +276,7 @@ def _sparse_range_extremes(values, others, lo, hi):
         return torch.cat([table[..., width:], table[..., -1:].expand(*table.shape[:-1], width)], dim=-1)
 
     count = hi - lo + 1
-    # Only the levels the widest range needs (a tile's 64 positions: 7 of the 14 at 8192).
+    # Only the levels the widest range needs (a tile's 128 positions: 8 of the 14 at 8192).
     widest = int(count.max()) if count.numel() else 1
     minima, maxima = [values], [values]
     width = 1

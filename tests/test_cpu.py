@@ -875,9 +875,10 @@ QUANTIZED_CASES = {
     "decode_one_block_per_sequence": dict(len_q=2, heads_q=2, heads_kv=2, block_size=64, lengths=(64, 40),
                                           is_causal=True),
     "decode_split_keys": dict(len_q=1, heads_q=2, heads_kv=1, block_size=16, lengths=(1100,), alibi=True),
-    # D past a multiple of 32, and 8 (then 1) rows an item: bf16 queries take the 8-bit keys' scores in bf16 pairs
-    # where they have two rows or more (the AVX512_BF16 copy), the rest of D and a single row as float.
-    "decode_gqa_pairs_and_tail": dict(len_q=1, heads_q=8, heads_kv=2, block_size=16, lengths=(70, 33, 0), dim=72,
+    # bf16 queries take the 8-bit keys' scores in bf16 pairs where an item has two rows or more (the AVX512_BF16
+    # copy), the rest of D (here 88 = 64 in pairs, 16 in one vector, 8 one by one) and a single row as float. Four
+    # rows an item; then 9, in groups of 8 and 1.
+    "decode_gqa_pairs_and_tail": dict(len_q=1, heads_q=8, heads_kv=2, block_size=16, lengths=(70, 33, 0), dim=88,
                                       dim_v=40),
     "decode_rows_of_pairs_causal_softcap": dict(len_q=3, heads_q=6, heads_kv=2, block_size=5, lengths=(45, 64),
                                                 is_causal=True, softcap=2.0, dim=64),

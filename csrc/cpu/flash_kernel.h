@@ -1848,7 +1848,8 @@ void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, 
     int64_t paired = 0;  // the values taken in pairs
 #if defined(FUSED_ATTN_AVX512_BF16)
     // 32 products an instruction at an FMA's rate, where the FMAs were the scores' cost (bench/NOTES.md section 74).
-    // A single row's cost is the conversions, to which the pairs add one.
+    // A single row's cost is the conversions, to which the pairs add one. vdpbf16ps flushes subnormal operands and
+    // results whatever the denormal mode: only a query value, product or partial sum below 2^-126 differs.
     if constexpr (grouped && kType != CacheType::Plain && R >= 2) {
       if (q_pairs != nullptr) {
         for (; paired + 2 * W <= D; paired += 2 * W) {
@@ -2059,7 +2060,7 @@ void decode_impl(const Params& p) {
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
   // bf16 queries' rows as bf16 too, for the scores against an 8-bit cache's keys (row_dots' pairs).
   constexpr bool bf16_pairs = kPairDots && std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool q_as_pairs = bf16_pairs && quantized && k_stored;
+  const bool q_as_pairs = bf16_pairs && quantized && k_stored && rows >= 2;
   // A paged cache's key blocks span its blocks (the stored readers list a block's rows across them; the other row
   // operations run cache block by cache block) except where a product packs K or V whole: VNNI pairs, or Kᵀ of
   // in-place rows for more than kDotRows rows.
