@@ -501,32 +501,19 @@ inline Vectorized<float> load_stored(const Elem* src) {
 #endif
 }
 
-// Whether this copy takes the scores of bf16 queries against 8-bit keys in bf16 pairs (row_dots).
 #if defined(FUSED_ATTN_AVX512_BF16)
+// This copy takes the scores of bf16 queries against 8-bit keys in bf16 pairs (row_dots).
 constexpr bool kPairDots = true;
-#else
-constexpr bool kPairDots = false;
-#endif
 
-#if defined(FUSED_ATTN_AVX512_BF16)
-// stored_value of 32 bytes from src on as bf16, exactly: int8's values and e4m3's fp16 readings have at most 8
+// load_stored of 32 bytes from src on as bf16, exactly: int8's values and e4m3's fp16 readings have at most 8
 // significant bits, and the readings are normal floats (2^-17 at the least), which vdpbf16ps does not flush.
 template <CacheType kType>
 C10_ALWAYS_INLINE __m512bh load_stored_pairs(const int8_t* src) {
   static_assert(kType != CacheType::Plain, "8-bit rows only");
-  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  __m512 low, high;
-  if constexpr (kType == CacheType::Int8) {
-    low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-    high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-  } else {
-    const __m512i shifted = _mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7);
-    const __m512i halves = _mm512_and_si512(shifted, _mm512_set1_epi16(static_cast<int16_t>(0xBFFF)));
-    low = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
-    high = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
-  }
-  return _mm512_cvtne2ps_pbh(high, low);
+  return _mm512_cvtne2ps_pbh(load_stored<kType>(src + 16), load_stored<kType>(src));  // the low half second
 }
+#else
+constexpr bool kPairDots = false;
 #endif
 
 // dst[i] = the value of byte src[i * stride] times `scale`, i < n; vectorised along unit strides.
