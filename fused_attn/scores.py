@@ -34,9 +34,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 
 import torch
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _extension
 
@@ -198,16 +198,24 @@ def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap,
                         _alibi(alibi_slopes, query), shift, _sinks(sinks, query))
 
 
+def is_causal_bias(attn_mask) -> bool:
+    """Whether attn_mask is a `torch.nn.attention.bias.CausalBias`. Its module is not imported here: it loads
+    torch._dynamo, which took half of `import fused_attn`, and no CausalBias exists before it is loaded."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(attn_mask, bias.CausalBias)
+
+
 def causal_bias_variant(attn_mask, query: torch.Tensor, key: torch.Tensor) -> str | None:
     """The alignment a `torch.nn.attention.bias.CausalBias` given as attn_mask stands for ("top_left"
     or "bottom_right"), or None when attn_mask is not one."""
-    if not isinstance(attn_mask, CausalBias):
+    if not is_causal_bias(attn_mask):
         return None
     expected = (query.shape[2], key.shape[2])
     if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != expected:
         raise ValueError(f"attn_mask: a CausalBias for (L_q, L_k) = {expected} was expected, got one for "
                          f"({attn_mask.seq_len_q}, {attn_mask.seq_len_kv})")
-    return "bottom_right" if attn_mask.variant == CausalVariant.LOWER_RIGHT else "top_left"
+    lower_right = sys.modules["torch.nn.attention.bias"].CausalVariant.LOWER_RIGHT
+    return "bottom_right" if attn_mask.variant == lower_right else "top_left"
 
 
 def terms(variant: ScoreVariant, is_causal: bool, batch: int, heads: int, len_q: int, len_k: int,

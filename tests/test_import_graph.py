@@ -150,3 +150,16 @@ def test_a_lazy_import_cycle_is_found(tmp_path):
     assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg"}}
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
 
+
+
+def test_import_leaves_dynamo_and_triton_unloaded():
+    """`import fused_attn` costs little more than `import torch`: torch._dynamo (which
+    torch.nn.attention.bias loads) and Triton are loaded only by the calls that need them."""
+    import subprocess
+    import sys
+
+    script = ("import sys, fused_attn\n"
+              "print(' '.join(m for m in ('torch._dynamo', 'torch.nn.attention.bias', 'triton') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            check=True)
+    assert result.stdout.strip() == ""

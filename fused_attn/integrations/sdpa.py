@@ -37,7 +37,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import flex_attention as flex_module
-from torch.nn.attention.bias import CausalBias
 from torch.overrides import TorchFunctionMode
 
 from .. import flex, masks
@@ -46,7 +45,7 @@ from ..backends.reference import ReferenceBackend
 from ..checks import _check_inputs, _check_options, _mask_view
 from ..functional import attention
 from ..problem import Problem
-from ..scores import PLAIN, causal_bias_variant, variant_of
+from ..scores import PLAIN, causal_bias_variant, is_causal_bias, variant_of
 from ..varlen import _check_packed, _packed_of
 
 _POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -95,7 +94,7 @@ class SDPARedirect(TorchFunctionMode, contextlib.ContextDecorator):
         if q is None or k is None or v is None:
             return None
         mask = attn_mask
-        if isinstance(attn_mask, torch.Tensor) and not isinstance(attn_mask, CausalBias):
+        if isinstance(attn_mask, torch.Tensor) and not is_causal_bias(attn_mask):
             mask = _mask_as_4d(attn_mask, (*query.shape[:-1], key.shape[-2]))
             if mask is None:
                 return None
