@@ -609,6 +609,16 @@ inline Vectorized<acc_t> reciprocal_of(Vectorized<acc_t> d) {
   return V(acc_t(1)) / d;
 }
 
+// 1 / d to the hardware estimate's 14 bits on AVX512 (relative error under 2^-14), where that is exact enough (a
+// bf16 call's softcap, capped_tanh); elsewhere reciprocal_of, with its Newton step (AVX2's estimate has 12 bits).
+template <typename acc_t>
+inline Vectorized<acc_t> rough_reciprocal_of(Vectorized<acc_t> d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<acc_t, float>) return _mm512_rcp14_ps(d);
+#endif
+  return reciprocal_of<acc_t>(d);
+}
+
 // The polynomial in f of 2^f on [0, 1] (fitted for the least largest relative error): degree 5 is within 3 ulp
 // (7.5e-8); degree 4 within 2.7e-6, far below the resolution of a 16-bit result (2^-9 in bf16, 2^-11 in fp16).
 template <int kDegree, typename V>
@@ -658,13 +668,16 @@ constexpr acc_t tanh_argument_scale() {
 // inside the numerator's FMA, several times cheaper than Sleef's tanh. e from exp2_bounded with u clamped to
 // ±64, which leaves tanh at ±1 in float past |x| = 22, keeps the sign without a test and keeps vscalefps from
 // underflowing (a microcode assist). `kCoarse`: the exp polynomial of degree 4, for the scores of a call whose
-// inputs and output are 16-bit. float64 keeps Sleef's tanh.
-template <bool kCoarse, typename acc_t>
+// inputs and output are 16-bit. `kBf16`: a bf16 call's, whose reciprocal is the hardware estimate alone on AVX512:
+// cap · tanh is then off by under cap · 2^-14, below the 2^-8 by which its bf16 weights are rounded
+// (bench/NOTES.md section 79). float64 keeps Sleef's tanh.
+template <bool kCoarse, bool kBf16, typename acc_t>
 inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap) {
   using V = Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
     const V e = exp2_bounded<kCoarse ? 4 : 5>(at::vec::clamp(u, V(-64.f), V(64.f)));
-    return at::vec::fnmadd(cap, e, cap) * reciprocal_of<acc_t>(V(1.f) + e);
+    const V d = V(1.f) + e;
+    return at::vec::fnmadd(cap, e, cap) * (kBf16 ? rough_reciprocal_of<acc_t>(d) : reciprocal_of<acc_t>(d));
   } else {
     return cap * u.tanh();
   }
@@ -674,7 +687,7 @@ inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap)
 // where distance0 is the first key's distance from the query's diagonal; with `cap_grad`, also the
 // cap's derivative 1 - tanh² for the backward. Compiled per combination, so the loop holds only what
 // the call has. Returns the row maximum.
-template <bool kCapped, bool kAlibi, bool kCoarse, typename acc_t>
+template <bool kCapped, bool kAlibi, bool kCoarse, bool kBf16, typename acc_t>
 acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope, acc_t distance0, acc_t* cap_grad) {
   using V = Vectorized<acc_t>;
   constexpr int64_t W = V::size();
@@ -688,9 +701,9 @@ acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope,
     V x = V::loadu(s + i, count) * vscale;
     if constexpr (kCapped) {
       if (cap_grad == nullptr) {
-        x = capped_tanh<kCoarse>(x, cap);
+        x = capped_tanh<kCoarse, kBf16>(x, cap);
       } else {
-        const V t = capped_tanh<kCoarse>(x, V(acc_t(1)));
+        const V t = capped_tanh<kCoarse, kBf16>(x, V(acc_t(1)));
         at::vec::fnmadd(t, t, V(acc_t(1))).store(cap_grad + i, count);
         x = cap * t;
       }
@@ -718,15 +731,16 @@ acc_t prepare_scores(acc_t* s, int64_t n, acc_t scale, const Params& p, int64_t 
   const acc_t slope = alibi ? static_cast<const float*>(p.alibi.data)[b * p.alibi.s[0] + h * p.alibi.s[1]] : 0.f;
   const acc_t distance0 = static_cast<acc_t>(qi + p.diagonal - k0);
   constexpr bool kCoarse = sizeof(scalar_t) == 2;  // a bf16 or fp16 call
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
   acc_t row_max;
   if (capped && alibi) {
-    row_max = variant_pass<true, true, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<true, true, kCoarse, kBf16>(s, n, scale, softcap, slope, distance0, cap_grad);
   } else if (capped) {
-    row_max = variant_pass<true, false, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<true, false, kCoarse, kBf16>(s, n, scale, softcap, slope, distance0, cap_grad);
   } else if (alibi) {
-    row_max = variant_pass<false, true, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<false, true, kCoarse, kBf16>(s, n, scale, softcap, slope, distance0, cap_grad);
   } else {
-    row_max = variant_pass<false, false, kCoarse>(s, n, scale, softcap, slope, distance0, cap_grad);
+    row_max = variant_pass<false, false, kCoarse, kBf16>(s, n, scale, softcap, slope, distance0, cap_grad);
   }
   if (p.mask_kind == MaskKind::None && p.key_padding.data == nullptr) return row_max;
   if (p.mask_kind != MaskKind::None) {
