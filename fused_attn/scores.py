@@ -200,7 +200,9 @@ def variant_of(query: torch.Tensor, causal_alignment: str, window_size, softcap,
 
 def is_causal_bias(attn_mask) -> bool:
     """Whether attn_mask is a `torch.nn.attention.bias.CausalBias`. Its module is not imported here: it loads
-    torch._dynamo, which took half of `import fused_attn`, and no CausalBias exists before it is loaded."""
+    torch._dynamo (over a second), and no CausalBias exists before it is loaded."""
+    if attn_mask is None or type(attn_mask) is torch.Tensor:  # a CausalBias is a subclass of Tensor
+        return False
     bias = sys.modules.get("torch.nn.attention.bias")
     return bias is not None and isinstance(attn_mask, bias.CausalBias)
 

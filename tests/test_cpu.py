@@ -345,8 +345,7 @@ JUMP_CASES = {
     "plain": testing.Case(batch=1, len_q=96, len_k=96),
     "causal": testing.Case(batch=1, len_q=96, len_k=96, is_causal=True),
     "documents": testing.Case(batch=1, len_q=96, len_k=96, program="documents"),
-    # The cap as the one variant, and a cap of 5, under which a row's capped scores all lie within kShiftSlack of
-    # each other.
+    # The cap as the one variant, and a cap of 5, which keeps every score within (-5, 5).
     "softcap": testing.Case(batch=1, len_q=96, len_k=96, softcap=30.0),
     "softcap_5_causal": testing.Case(batch=1, len_q=96, len_k=96, softcap=5.0, is_causal=True),
     "softcap_padding": testing.Case(batch=1, len_q=96, len_k=96, softcap=30.0, key_padding=True),

@@ -670,16 +670,23 @@ constexpr acc_t tanh_argument_scale() {
 // underflowing (a microcode assist). `kCoarse`: the exp polynomial of degree 4, for the scores of a call whose
 // inputs and output are 16-bit. `kBf16`: a bf16 call's, whose reciprocal is the hardware estimate alone on AVX512:
 // cap · tanh is then off by under cap · 2^-14, below the 2^-8 by which its bf16 weights are rounded
-// (bench/NOTES.md section 79). float64 keeps Sleef's tanh.
+// (bench/NOTES.md section 79). float64 keeps Sleef's tanh. With `slope`, also tanh's derivative 1 - tanh² there,
+// as 4e / (1 + e)²: positive and within the reciprocal's error everywhere, where 1 - t² of a t rounded near ±1
+// cancels (and of the estimate's t, which may pass 1, changes sign).
 template <bool kCoarse, bool kBf16, typename acc_t>
-inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap) {
+inline Vectorized<acc_t> capped_tanh(Vectorized<acc_t> u, Vectorized<acc_t> cap,
+                                     Vectorized<acc_t>* slope = nullptr) {
   using V = Vectorized<acc_t>;
   if constexpr (std::is_same_v<acc_t, float>) {
     const V e = exp2_bounded<kCoarse ? 4 : 5>(at::vec::clamp(u, V(-64.f), V(64.f)));
     const V d = V(1.f) + e;
-    return at::vec::fnmadd(cap, e, cap) * (kBf16 ? rough_reciprocal_of<acc_t>(d) : reciprocal_of<acc_t>(d));
+    const V r = kBf16 ? rough_reciprocal_of<acc_t>(d) : reciprocal_of<acc_t>(d);
+    if (slope != nullptr) *slope = V(4.f) * (e * r) * r;  // e · r <= 1: no overflow at e = 2^64
+    return at::vec::fnmadd(cap, e, cap) * r;
   } else {
-    return cap * u.tanh();
+    const V t = u.tanh();
+    if (slope != nullptr) *slope = at::vec::fnmadd(t, t, V(acc_t(1)));
+    return cap * t;
   }
 }
 
@@ -703,8 +710,9 @@ acc_t variant_pass(acc_t* s, int64_t n, acc_t scale, acc_t softcap, acc_t slope,
       if (cap_grad == nullptr) {
         x = capped_tanh<kCoarse, kBf16>(x, cap);
       } else {
-        const V t = capped_tanh<kCoarse, kBf16>(x, V(acc_t(1)));
-        at::vec::fnmadd(t, t, V(acc_t(1))).store(cap_grad + i, count);
+        V slope;
+        const V t = capped_tanh<kCoarse, kBf16>(x, V(acc_t(1)), &slope);
+        slope.store(cap_grad + i, count);
         x = cap * t;
       }
     }
