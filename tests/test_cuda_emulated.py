@@ -41,6 +41,27 @@ def skip_without_cuda_headers():
         pytest.skip("no cuda_fp16.h / cuda_bf16.h (neither a CUDA toolkit nor the triton wheel)")
 
 
+def test_a_killed_builds_lock_file_does_not_stop_the_next_build(tmp_path):
+    """cpp_extension waits forever on a `lock` file a killed build left; under the builder's own lock (which the
+    system releases when its holder dies) that file is removed, and a second builder waits its turn."""
+    import fcntl
+    import subprocess
+    import sys
+
+    (tmp_path / "lock").touch()
+    probe = ("import fcntl, sys\n"
+             "handle = open(sys.argv[1], 'w')\n"
+             "try:\n    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+             "except BlockingIOError:\n    print('held')\n")
+    with build._builder_alone(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        held = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "builder.flock")], capture_output=True,
+                              text=True, timeout=60, check=True).stdout.strip()
+        assert held == "held"
+    with open(tmp_path / "builder.flock") as handle:  # released on leaving
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 @pytest.fixture(scope="module")
 def emulated():
     """The emulated kernels (built once per session; a kernel that does not compile fails here)."""

@@ -1,12 +1,14 @@
 """Builds the emulated `cuda` backend (flash_emulated.cpp) with the host compiler, at test time.
 
 The kernels of csrc/cuda are compiled here, unchanged, against cuda_emulation.h, so a kernel change
-that breaks the emulated run breaks this build. The build is cached in the temporary directory
-(ninja rebuilds what changed); nothing is downloaded.
+that breaks the emulated run breaks this build. The build is cached in the temporary directory (ninja rebuilds
+what changed), one builder at a time; nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import pathlib
@@ -53,16 +55,31 @@ def load():
         raise FileNotFoundError("no cuda_fp16.h/cuda_bf16.h found (CUDA toolkit or triton wheel)")
     build_directory = pathlib.Path(tempfile.gettempdir()) / "fused_attn_cuda_emulation"
     build_directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name="fused_attn_cuda_emulated",
-        sources=[str(HERE / "flash_emulated.cpp")],
-        extra_include_paths=[str(HERE), str(KERNELS), str(include)],
-        # As strict about fp16/bf16 as torch's CUDA builds: no implicit conversions or operators.
-        extra_cflags=["-std=c++20", "-O2", "-Wno-unused-parameter", *_nvcc_type_flags()],
-        extra_ldflags=["-pthread"],
-        build_directory=str(build_directory),
-        verbose=os.environ.get("FUSED_ATTN_VERBOSE_BUILD") == "1",
-    )
+    with _builder_alone(build_directory):
+        return cpp_extension.load(
+            name="fused_attn_cuda_emulated",
+            sources=[str(HERE / "flash_emulated.cpp")],
+            extra_include_paths=[str(HERE), str(KERNELS), str(include)],
+            # As strict about fp16/bf16 as torch's CUDA builds: no implicit conversions or operators.
+            extra_cflags=["-std=c++20", "-O2", "-Wno-unused-parameter", *_nvcc_type_flags()],
+            extra_ldflags=["-pthread"],
+            build_directory=str(build_directory),
+            verbose=os.environ.get("FUSED_ATTN_VERBOSE_BUILD") == "1",
+        )
+
+
+@contextlib.contextmanager
+def _builder_alone(directory: pathlib.Path):
+    """This process alone builds in `directory` (the workers and the runs of this machine share it). The lock is
+    the system's, released when its holder dies: cpp_extension's own, a `lock` file, outlives a killed build, and
+    every later load would wait on it forever. Under this lock any such file is a dead build's, and is removed."""
+    with open(directory / "builder.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 SANITIZERS = {
