@@ -505,12 +505,25 @@ inline Vectorized<float> load_stored(const Elem* src) {
 // This copy takes the scores of bf16 queries against 8-bit keys in bf16 pairs (row_dots).
 constexpr bool kPairDots = true;
 
-// load_stored of 32 bytes from src on as bf16, exactly: int8's values and e4m3's fp16 readings have at most 8
-// significant bits, and the readings are normal floats (2^-17 at the least), which vdpbf16ps does not flush.
-template <CacheType kType>
-C10_ALWAYS_INLINE __m512bh load_stored_pairs(const int8_t* src) {
-  static_assert(kType != CacheType::Plain, "8-bit rows only");
-  return _mm512_cvtne2ps_pbh(load_stored<kType>(src + 16), load_stored<kType>(src));  // the low half second
+// load_stored of 32 elements from src on as bf16, exactly: int8's values and e4m3's fp16 readings have at most 8
+// significant bits, and the readings are normal floats (2^-17 at the least), which vdpbf16ps does not flush; a bf16
+// row's elements are taken as they lie.
+template <CacheType kType, typename Elem>
+C10_ALWAYS_INLINE __m512bh load_stored_pairs(const Elem* src) {
+  if constexpr (kType == CacheType::Plain) {
+    static_assert(std::is_same_v<Elem, c10::BFloat16>, "a plain row in pairs is bf16");
+    return std::bit_cast<__m512bh>(_mm512_loadu_si512(src));
+  } else {
+    return _mm512_cvtne2ps_pbh(load_stored<kType>(src + 16), load_stored<kType>(src));  // the low half second
+  }
+}
+
+// The 16 values of two stored rows a and b from their element d on, interleaved as bf16 pairs (a's value low): the
+// upper halves of their float readings, which are bf16 exactly (load_stored_pairs).
+template <CacheType kType, typename Elem>
+C10_ALWAYS_INLINE __m512bh interleaved_pairs(const Elem* a, const Elem* b) {
+  const __m512i low = _mm512_srli_epi32(_mm512_castps_si512(load_stored<kType>(a)), 16);
+  return std::bit_cast<__m512bh>(_mm512_mask_blend_epi16(0xAAAAAAAA, low, _mm512_castps_si512(load_stored<kType>(b))));
 }
 #else
 constexpr bool kPairDots = false;
@@ -1822,7 +1835,8 @@ inline Vectorized<float> load_first(const float* src, int64_t count) {
 // independent chains of multiply-adds, each query vector loaded once per group, and the group's dots summed by one
 // lane_sums and stored a row's keys at a time. (In double, or for more rows than lanes, key by key, each dot summed
 // on its own.) q_pairs: the same q rows as bf16 (R × D), given where they are exactly the queries' values; in the
-// AVX512_BF16 copy an 8-bit key's values then go 32 at a time as bf16 into vdpbf16ps, for two rows or more.
+// AVX512_BF16 copy an 8-bit key's values then go 32 at a time as bf16 into vdpbf16ps, for two rows or more, and a
+// bf16 key's for any number.
 template <CacheType kType, typename T, typename Elem, int R, typename KeyAt>
 void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, int64_t n, T* s, int64_t lds,
               const c10::BFloat16* q_pairs = nullptr) {
@@ -1859,7 +1873,8 @@ void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, 
     // 32 products an instruction at an FMA's rate, where the FMAs were the scores' cost (bench/NOTES.md section 74).
     // A single row's cost is the conversions, to which the pairs add one. vdpbf16ps flushes subnormal operands and
     // results whatever the denormal mode: only a query value, product or partial sum below 2^-126 differs.
-    if constexpr (grouped && kType != CacheType::Plain && R >= 2) {
+    // A bf16 key row needs no conversion at all, so pairs serve it for any number of rows.
+    if constexpr (grouped && (kType == CacheType::Plain ? std::is_same_v<Elem, c10::BFloat16> : R >= 2)) {
       if (q_pairs != nullptr) {
         for (; paired + 2 * W <= D; paired += 2 * W) {
           __m512bh k[kKeys];
@@ -1911,10 +1926,12 @@ constexpr int64_t kValueRun = 64;
 
 // o[r · ldo + d] (= or +=) Σ_j p[r · ldp + j] · factor_j · v_j[d] for r < R, d < Dv, j < n: the stored value rows at
 // values[j]. Per run of keys, the weights p · factor first, then C vectors of D at a time against every key of the
-// run (C · R accumulators, at least 4 chains of multiply-adds).
+// run (C · R accumulators, at least 4 chains of multiply-adds). bf16_weights: the weights may be rounded to bf16
+// (bf16 queries), and in the AVX512_BF16 copy two keys then go into one vdpbf16ps per row, where two FMAs were the
+// cost (bench/NOTES.md section 82).
 template <CacheType kType, typename PlainT, int R>
 void add_stored_values(const float* p, int64_t ldp, const void* const* values, const float* factors,
-                       int64_t n, int64_t Dv, float* o, int64_t ldo, bool add) {
+                       int64_t n, int64_t Dv, float* o, int64_t ldo, bool add, bool bf16_weights) {
   using V = Vectorized<float>;
   constexpr int64_t W = V::size();
   constexpr int C = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
@@ -1922,16 +1939,50 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
     for (int r = 0; r < R; ++r) std::fill(o + r * ldo, o + r * ldo + Dv, 0.f);
   }
   float weights[R * kValueRun];
-  // `chunks` vectors from d on, over the m keys of `run`; the rows of the next run's first `ahead` keys asked for one
-  // per key on the way (all at once, they stall the pass on the cache's fill buffers).
-  const auto pass = [&](auto chunks, int64_t d, const void* const* run, int64_t m, const void* const* next,
-                        int64_t ahead) {
+#if defined(FUSED_ATTN_AVX512_BF16)
+  // Row r's weights of keys 2i and 2i + 1 as one pair of bf16, the first low.
+  __at_align__ c10::BFloat16 paired_weights[R * kValueRun];
+  const bool pairs = bf16_weights && R >= 2;
+  // As `pass`, over the first m keys of `run` two at a time (m even).
+  const auto pass_pairs = [&](auto chunks, int64_t d, const void* const* run, int64_t m, const void* const* next,
+                              int64_t ahead) {
+    constexpr int kChunks = decltype(chunks)::value;
+    __m512 acc[kChunks][R];
+    for (int c = 0; c < kChunks; ++c) {
+      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_loadu_ps(o + r * ldo + d + c * W);
+    }
+    for (int64_t j = 0; j < m; j += 2) {
+      for (int64_t i = j; i < std::min(j + 2, ahead); ++i) prefetch_rows(stored_row<kType, PlainT>(next[i]), 0, 1, Dv);
+      const auto* first = stored_row<kType, PlainT>(run[j]) + d;
+      const auto* second = stored_row<kType, PlainT>(run[j + 1]) + d;
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512bh stored = interleaved_pairs<kType>(first + c * W, second + c * W);
+        for (int r = 0; r < R; ++r) {
+          uint32_t weight_pair;
+          std::memcpy(&weight_pair, paired_weights + r * kValueRun + j, sizeof weight_pair);
+          const auto weight = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(weight_pair)));
+          acc[c][r] = _mm512_dpbf16_ps(acc[c][r], stored, weight);
+        }
+      }
+    }
+    for (int64_t i = m; i < ahead; ++i) prefetch_rows(stored_row<kType, PlainT>(next[i]), 0, 1, Dv);
+    for (int c = 0; c < kChunks; ++c) {
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + r * ldo + d + c * W, acc[c][r]);
+    }
+  };
+#else
+  static_cast<void>(bf16_weights);
+#endif
+  // `chunks` vectors from d on, over the keys begin .. m of `run`; the rows of the next run's first `ahead` keys
+  // asked for one per key on the way (all at once, they stall the pass on the cache's fill buffers).
+  const auto pass = [&](auto chunks, int64_t d, const void* const* run, int64_t begin, int64_t m,
+                        const void* const* next, int64_t ahead) {
     constexpr int kChunks = decltype(chunks)::value;
     V acc[kChunks][R];
     for (int c = 0; c < kChunks; ++c) {
       for (int r = 0; r < R; ++r) acc[c][r] = V::loadu(o + r * ldo + d + c * W);
     }
-    for (int64_t j = 0; j < m; ++j) {
+    for (int64_t j = begin; j < m; ++j) {
       if (j < ahead) prefetch_rows(stored_row<kType, PlainT>(next[j]), 0, 1, Dv);
       for (int c = 0; c < kChunks; ++c) {
         const V stored = load_stored<kType>(stored_row<kType, PlainT>(run[j]) + d + c * W);
@@ -1951,8 +2002,20 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
       for (int r = 0; r < R; ++r) weights[r * kValueRun + j] = p[r * ldp + j0 + j] * factors[j0 + j];
     }
     int64_t d = 0;
-    for (; d + C * W <= full; d += C * W, ahead = 0) pass(std::integral_constant<int, C>{}, d, run, m, run + m, ahead);
-    for (; d < full; d += W, ahead = 0) pass(std::integral_constant<int, 1>{}, d, run, m, run + m, ahead);
+#if defined(FUSED_ATTN_AVX512_BF16)
+    if (pairs) {
+      for (int r = 0; r < R; ++r) {
+        for (int64_t j = 0; j < m; ++j) paired_weights[r * kValueRun + j] = weights[r * kValueRun + j];
+      }
+      const int64_t even = m / 2 * 2;  // an odd last key goes in float below
+      for (; d + C * W <= full; d += C * W, ahead = 0) {
+        pass_pairs(std::integral_constant<int, C>{}, d, run, even, run + m, ahead);
+        if (even < m) pass(std::integral_constant<int, C>{}, d, run, even, m, run + m, 0);
+      }
+    }
+#endif
+    for (; d + C * W <= full; d += C * W, ahead = 0) pass(std::integral_constant<int, C>{}, d, run, 0, m, run + m, ahead);
+    for (; d < full; d += W, ahead = 0) pass(std::integral_constant<int, 1>{}, d, run, 0, m, run + m, ahead);
     for (; d < Dv; ++d) {
       for (int64_t j = 0; j < m; ++j) {
         const float stored = stored_value<kType>(stored_row<kType, PlainT>(run[j])[d]);
@@ -2003,11 +2066,11 @@ void stored_scores(const Params& p, const Q* q, int64_t rows, int64_t b, int64_t
 
 // o (rows × D_v, row stride ldo) = or += prob (rows × n, row stride ldp) times the values k0 .. k0 + n of head hk of
 // batch row b, read in place across the cache's blocks: add_stored_values, kDotRows rows at a time (found, factors:
-// as stored_scores').
+// as stored_scores'; bf16_weights: as add_stored_values').
 template <typename PlainT, typename P, typename O>
 void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t rows, int64_t b, int64_t hk,
                            int64_t k0, int64_t n, O* o, int64_t ldo, bool add, int64_t following, const void** found,
-                           float* factors) {
+                           float* factors, bool bf16_weights) {
   if constexpr (std::is_same_v<P, float> && std::is_same_v<O, float>) {
     for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
       with_cache_and_rows(p.cache, std::min(kDotRows, rows - r0), [&](auto type, auto count) {
@@ -2017,7 +2080,7 @@ void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t 
           prefetch_following_keys<StoredElem<kType, PlainT>>(p, p.value, b, hk, k0 + n, following, p.dim_v);
         }
         add_stored_values<kType, PlainT, decltype(count)::value>(prob + r0 * ldp, ldp, found, factors, n, p.dim_v,
-                                                         o + r0 * ldo, ldo, add);
+                                                                 o + r0 * ldo, ldo, add, bf16_weights);
       });
     }
   } else {
@@ -2067,9 +2130,10 @@ void decode_impl(const Params& p) {
   const bool k_stored = stored && p.key.s[3] == 1;
   const bool v_stored = stored && p.value.s[3] == 1;
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
-  // bf16 queries' rows as bf16 too, for the scores against an 8-bit cache's keys (row_dots' pairs).
+  // bf16 queries' rows as bf16 too, for the scores against an 8-bit cache's keys under two rows or more, or a bf16
+  // cache's under any number (row_dots' pairs); and their weights of the stored values as bf16 (add_stored_values).
   constexpr bool bf16_pairs = kPairDots && std::is_same_v<scalar_t, c10::BFloat16>;
-  const bool q_as_pairs = bf16_pairs && quantized && k_stored && rows >= 2;
+  const bool q_as_pairs = bf16_pairs && k_stored && (rows >= 2 || !quantized);
   // A paged cache's key blocks span its blocks (the stored readers list a block's rows across them; the other row
   // operations run cache block by cache block) except where a product packs K or V whole: VNNI pairs, or Kᵀ of
   // in-place rows for more than kDotRows rows.
@@ -2180,7 +2244,7 @@ void decode_impl(const Params& p) {
         const bool accumulate = k0 != k_begin;  // the first product writes the accumulator
         if (v_stored) {
           stored_values_product<PlainRows>(p, pbuf, ldp, rows, b, hk, k0, bk, obuf, Dv, accumulate,
-                                           k_end - (k0 + bk), found_rows, row_factors);
+                                           k_end - (k0 + bk), found_rows, row_factors, bf16_pairs);
         } else if (v_in_place) {
           for_each_run([&](int64_t j0, int64_t n) {
             gemm<ct, acc_t>(rows, Dv, n, pbuf + j0, ldp,
