@@ -9,17 +9,20 @@ time ratios SDPA / cpu (targets: 1.5 at B=1, H_q=32, H_kv=8, L_k=4096; 1.3 at B=
 and cpu / copy (target ≤ 2), and K/V bytes read per second by the call and by the copy. Then the same
 calls over 8-bit caches (float8_e4m3fn and int8, per-sequence and per-token scales, bf16 queries),
 read in place by `forward_paged`, against the bf16 cache's call of the first table (target: 1.6× faster)
-and against a copy of their own bytes (target: read at ≥ 60 % of the copy's rate). Then one generation
-step and one chunk of a prefill through `attention_with_kvcache` against SDPA over the same keys, dense and
-paged (target: paged within 10 % of dense).
+and against a copy of their own bytes (target: read at ≥ 60 % of the copy's rate). Then the same steps through
+a model's depth: layers with caches of their own, together twice the CPU's last-level cache, so that each is read
+from memory as in serving (the tables before read one cache again and again, from the last-level cache where it
+fits), with a paged bf16 cache against the same rows dense. Then one generation step and one chunk of a prefill through `attention_with_kvcache` against SDPA over
+the same keys, dense and paged (target: paged within 10 % of dense).
 
-    python -m bench.decode_bench [--dtypes fp32 bf16] [--caches fp8 int8] [--rounds 30]
+    python -m bench.decode_bench [--dtypes fp32 bf16] [--caches fp8 int8] [--rounds 30] [--layers N]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
 import statistics
 
@@ -35,6 +38,7 @@ from . import report, timing
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CACHES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 PREFILL_CHUNK = 512  # tokens appended at once in the prefill row of attention_with_kvcache
+PAGED_BLOCK = 16  # keys per cache block of the paged rows
 # (B, H_q, H_kv, L_q, L_k, D)
 SHAPES = [(1, 32, 8, 1, 4096, 128), (4, 32, 32, 1, 2048, 128), (1, 32, 8, 4, 4096, 128)]
 
@@ -104,40 +108,76 @@ def quantized_cache(values, cache_dtype, per_token):
     return quantization.quantize(tokens, dense_scales, cache_dtype), scales
 
 
-def quantized_row(cache_dtype, per_token, shape, rounds, budget_s) -> dict:
-    """The cpu backend's call over an 8-bit cache (bf16 queries), interleaved with the same call over the bf16
-    cache of time_row and with a copy of the 8-bit call's bytes (values and scales), `dst` allocated beforehand."""
-    batch, heads_q, heads_kv, len_q, len_k, dim = shape
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads_q, len_q, dim, generator=generator).to(torch.bfloat16)
-    k, v = (torch.randn(batch, heads_kv, len_k, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
-    (k_blocks, k_scale), (v_blocks, v_scale) = (quantized_cache(x, cache_dtype, per_token) for x in (k, v))
+def paged_call(q, k, v, cache_dtype, per_token=False, block_size=None, generator=None):
+    """(the cpu backend's call over k and v as a (blocks, block size, H_kv, D) cache, read in place by forward_paged,
+    checked once against the reference over the dequantized cache by the criterion; the bytes that call reads,
+    values and scales). cache_dtype: bf16 (k and v as they are) or an 8-bit dtype; block_size: the keys of a cache
+    block, the blocks in an order `generator` shuffles (per-sequence scales then), or one block a sequence."""
+    batch, heads_q, len_q, dim = q.shape
+    len_k = k.shape[2]
+    if cache_dtype == torch.bfloat16:
+        (k_blocks, k_scale), (v_blocks, v_scale) = ((x.transpose(1, 2).contiguous(), None) for x in (k, v))
+    else:
+        (k_blocks, k_scale), (v_blocks, v_scale) = (quantized_cache(x, cache_dtype, per_token) for x in (k, v))
     table = torch.arange(batch, dtype=torch.int32)[:, None]
+    if block_size is not None:
+        assert not per_token, "shuffled blocks take per-sequence scales"
+        per_sequence = len_k // block_size
+        table = torch.randperm(batch * per_sequence, generator=generator).view(batch, per_sequence).int()
+
+        def shuffled(tokens):  # (B, L_k, H_kv, D) into the blocks the table names
+            blocks = torch.empty(batch * per_sequence, block_size, *tokens.shape[2:], dtype=tokens.dtype)
+            blocks[table.long()] = tokens.unflatten(1, (per_sequence, block_size))
+            return blocks
+
+        k_blocks, v_blocks = shuffled(k_blocks), shuffled(v_blocks)
     padding = torch.zeros(batch, len_k, dtype=torch.bool)  # every key is a sequence's: forward_paged takes the mask
     out = torch.empty(batch, heads_q, len_q, dim, dtype=torch.bfloat16)
     cpu, reference = registry.get("cpu"), registry.get("reference")
-    read = torch.cat([t.flatten().view(torch.int8) for t in (k_blocks, v_blocks, k_scale, v_scale)])
+
+    def call():
+        return cpu.forward_paged(q, k_blocks, v_blocks, table, None, padding, False, dim ** -0.5, out,
+                                 k_scale=k_scale, v_scale=v_scale)
+
+    with torch.inference_mode():
+        # The same attention as the reference's over the dequantized cache, by the criterion, or the timing
+        # compares nothing.
+        call()
+        results = {}
+        for dtype in (torch.float64, torch.bfloat16):
+            expected = torch.empty(out.shape, dtype=dtype)
+            plain = k_scale is None  # a bf16 cache, read by the reference in the query's dtype
+            reference.forward_paged(q.to(dtype), k_blocks.to(dtype) if plain else k_blocks,
+                                    v_blocks.to(dtype) if plain else v_blocks, table, None, padding, False, dim ** -0.5,
+                                    expected, k_scale=k_scale, v_scale=v_scale)
+            results[dtype] = expected
+    allowed = testing.allowed_error("out", results[torch.float64], results[torch.bfloat16], torch.bfloat16)
+    error = testing.max_error(out, results[torch.float64])
+    assert error <= allowed, f"8-bit cache: error {error:.3e} > allowed {allowed:.3e}"
+    parts = [t for t in (k_blocks, v_blocks, k_scale, v_scale) if t is not None]
+    return call, torch.cat([t.flatten().view(torch.int8) for t in parts])
+
+
+def bf16_inputs(shape, generator):
+    batch, heads_q, heads_kv, len_q, len_k, dim = shape
+    q = torch.randn(batch, heads_q, len_q, dim, generator=generator).to(torch.bfloat16)
+    k, v = (torch.randn(batch, heads_kv, len_k, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
+    return q, k, v
+
+
+def quantized_row(cache_dtype, per_token, shape, rounds, budget_s) -> dict:
+    """The cpu backend's call over an 8-bit cache (bf16 queries), interleaved with the same call over the bf16
+    cache of time_row and with a copy of the 8-bit call's bytes (values and scales), `dst` allocated beforehand."""
+    q, k, v = bf16_inputs(shape, torch.Generator().manual_seed(0))
+    call, read = paged_call(q, k, v, cache_dtype, per_token)
     destination = torch.empty_like(read)
-    gqa = heads_q != heads_kv
+    gqa = q.shape[1] != k.shape[1]
     runs = {
-        "cpu": lambda: cpu.forward_paged(q, k_blocks, v_blocks, table, None, padding, False, dim ** -0.5, out,
-                                         k_scale=k_scale, v_scale=v_scale),
+        "cpu": call,
         "bf16": lambda: fused_attn.attention(q, k, v, enable_gqa=gqa, backend="cpu"),
         "copy": lambda: destination.copy_(read),
     }
     with torch.inference_mode():
-        # The same attention as the reference's over the dequantized cache, by the criterion, or the timing
-        # compares nothing.
-        runs["cpu"]()
-        results = {}
-        for dtype in (torch.float64, torch.bfloat16):
-            expected = torch.empty(out.shape, dtype=dtype)
-            reference.forward_paged(q.to(dtype), k_blocks, v_blocks, table, None, padding, False, dim ** -0.5, expected,
-                                    k_scale=k_scale, v_scale=v_scale)
-            results[dtype] = expected
-        allowed = testing.allowed_error("out", results[torch.float64], results[torch.bfloat16], torch.bfloat16)
-        error = testing.max_error(out, results[torch.float64])
-        assert error <= allowed, f"8-bit cache: error {error:.3e} > allowed {allowed:.3e}"
         samples = timing.interleaved_samples(runs, rounds, warmup=3, budget_s=budget_s)
     times = {name: statistics.median(values) for name, values in samples.items()}
     return {"rounds": len(samples["cpu"]), **{f"{name}_us": seconds * 1e6 for name, seconds in times.items()},
@@ -147,8 +187,68 @@ def quantized_row(cache_dtype, per_token, shape, rounds, budget_s) -> dict:
             "copy_share": timing.median_ratio(samples["copy"], samples["cpu"])}
 
 
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest cache as sysfs gives it for CPU 0 (0 where it gives none)."""
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as file:
+            text = file.read().strip()
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=0)
+
+
+def layers_past_cache(layer_bytes, cache_bytes) -> int:
+    """As many layers as make their caches at least twice the last-level cache (two at the least), so that each
+    layer's is read from memory, as in a model whose layers' caches together exceed it."""
+    return max(2, -(-2 * cache_bytes // layer_bytes))
+
+
+def depth_row(shape, layers, rounds, budget_s) -> dict:
+    """One generation step through `layers` layers, each with caches of its own: a bf16 cache of time_row's kind, and
+    the same keys and values as int8 and fp8 caches (per-sequence scales); each candidate runs once per layer, layer
+    after layer, so each layer's cache is read after the others' have passed through the caches of the CPU.
+    Interleaved: the cpu backend over each cache, SDPA over the bf16 one, the bf16 cache as (B, L_k, H_kv, D) rows
+    (`rows`: the layout of attention_with_kvcache's dense caches) and as shuffled blocks of PAGED_BLOCK keys
+    (`paged`), both through forward_paged, and copies of each layer's bf16 bytes and 8-bit bytes (int8's; fp8's are
+    as many) into one preallocated destination each. Times are per layer."""
+    generator = torch.Generator().manual_seed(0)
+    q = bf16_inputs(shape, generator)[0]
+    gqa = shape[1] != shape[2]
+    steps = {name: [] for name in ("bf16", "sdpa", "int8", "fp8", "bf16_rows", "bf16_paged", "copy_bf16", "copy_8bit")}
+    destinations = {}
+    for _layer in range(layers):
+        k, v = bf16_inputs(shape, generator)[1:]
+        kv = torch.cat([k.flatten(), v.flatten()])
+        steps["bf16"].append(lambda k=k, v=v: fused_attn.attention(q, k, v, enable_gqa=gqa, backend="cpu"))
+        steps["sdpa"].append(lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa))
+        for name in ("int8", "fp8"):
+            call, bytes_read = paged_call(q, k, v, CACHES[name])
+            steps[name].append(call)
+        for name, block_size in (("bf16_rows", None), ("bf16_paged", PAGED_BLOCK)):
+            steps[name].append(paged_call(q, k, v, torch.bfloat16, block_size=block_size, generator=generator)[0])
+        destinations.setdefault("bf16", torch.empty_like(kv))
+        destinations.setdefault("8bit", torch.empty_like(bytes_read))
+        steps["copy_bf16"].append(lambda src=kv: destinations["bf16"].copy_(src))
+        steps["copy_8bit"].append(lambda src=bytes_read: destinations["8bit"].copy_(src))
+    runs = {name: (lambda calls=calls: [call() for call in calls]) for name, calls in steps.items()}
+    with torch.inference_mode():
+        samples = timing.interleaved_samples(runs, rounds, warmup=2, budget_s=budget_s)
+    seconds = {name: statistics.median(values) / layers for name, values in samples.items()}
+    bytes_bf16, bytes_8bit = destinations["bf16"].numel() * 2, destinations["8bit"].numel()
+    return {"rounds": len(samples["bf16"]), **{f"{name}_us": t * 1e6 for name, t in seconds.items()},
+            "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["bf16"]),
+            **{f"{name}_vs_bf16": timing.median_ratio(samples["bf16"], samples[name]) for name in ("int8", "fp8")},
+            "paged_vs_rows": timing.median_ratio(samples["bf16_paged"], samples["bf16_rows"]),
+            "bf16_copy_share": timing.median_ratio(samples["copy_bf16"], samples["bf16"]),
+            **{f"{name}_copy_share": timing.median_ratio(samples["copy_8bit"], samples[name])
+               for name in ("int8", "fp8")},
+            "bf16_gb_s": bytes_bf16 / seconds["bf16"] / 1e9, "copy_bf16_gb_s": bytes_bf16 / seconds["copy_bf16"] / 1e9,
+            "copy_8bit_gb_s": bytes_8bit / seconds["copy_8bit"] / 1e9}
+
+
 def kvcache_row(dtype, rounds, budget_s, batch=1, heads_q=32, heads_kv=8, capacity=4096, length=4000, dim=128,
-                block_size=16, appended=1):
+                block_size=PAGED_BLOCK, appended=1):
     """One step through `attention_with_kvcache` (append `appended` tokens, attend over the sequence, causally:
     one token is a generation step, more a chunk of a prefill) against SDPA over the same sequence, already
     appended, sliced from the cache (with the causal mask aligned to its end where more than one token is
@@ -207,6 +307,9 @@ def main(argv=None) -> int:
     parser.add_argument("--caches", nargs="*", choices=sorted(CACHES), default=["fp8", "int8"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per row before stopping early")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="layers of the model-depth table (default: enough that their caches are twice the "
+                             "last-level cache; 0: no such table)")
     args = parser.parse_args(argv)
     print(report.machine_description(torch.device("cpu")))
     print()
@@ -236,6 +339,27 @@ def main(argv=None) -> int:
                           f"{row['cpu_us']:.0f} | {row['bf16_us']:.0f} | {row['copy_us']:.0f} | {row['vs_bf16']:.2f} | "
                           f"{row['over_copy']:.2f} | {row['cpu_gb_s']:.1f}, {row['copy_gb_s']:.1f} | "
                           f"{row['copy_share']:.2f} | {row['rounds']} |", flush=True)
+    if args.layers != 0:
+        cache_bytes = last_level_cache_bytes()
+        print()
+        print(f"A step through a model's layers, each with caches of its own, bf16 queries; the last-level cache is "
+              f"{cache_bytes / 2 ** 20:.0f} MiB, and each layer's caches are read from memory, as in serving, where "
+              f"every layer's cache is read once a token (per layer: µs, and the median ratios of the interleaved "
+              f"rounds):")
+        print()
+        print("| B, H_q, H_kv, L_q, L_k, D | layers | bf16 cache µs | SDPA µs | int8 µs | fp8 µs | SDPA / bf16 cache | "
+              "bf16 cache / int8 | bf16 cache / fp8 | bf16 paged / rows | share of the copy's rate: bf16, int8, fp8 | "
+              "copy GB/s: bf16, 8-bit | rounds |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for shape in SHAPES[:2]:
+            batch, _, heads_kv, _, len_k, dim = shape
+            layers = args.layers or layers_past_cache(2 * batch * heads_kv * len_k * dim * 2, cache_bytes)
+            row = depth_row(shape, layers, args.rounds, args.budget)
+            print(f"| {', '.join(map(str, shape))} | {layers} | {row['bf16_us']:.0f} | {row['sdpa_us']:.0f} | "
+                  f"{row['int8_us']:.0f} | {row['fp8_us']:.0f} | {row['vs_sdpa']:.2f} | {row['int8_vs_bf16']:.2f} | "
+                  f"{row['fp8_vs_bf16']:.2f} | {row['paged_vs_rows']:.2f} | {row['bf16_copy_share']:.2f}, {row['int8_copy_share']:.2f}, "
+                  f"{row['fp8_copy_share']:.2f} | {row['copy_bf16_gb_s']:.1f}, {row['copy_8bit_gb_s']:.1f} | "
+                  f"{row['rounds']} |", flush=True)
     print()
     print(f"attention_with_kvcache, B=1, H_q=32, H_kv=8, D=128, one token (a generation step) or {PREFILL_CHUNK} (a "
           "chunk of a prefill, causal) appended to the rest of 4000 keys in a 4096-key cache (a (B, L_max, H_kv, D) "

@@ -271,6 +271,18 @@ def test_decode_bench_rows_on_a_small_shape():
         for per_token in (False, True):
             row = decode_bench.quantized_row(cache_dtype, per_token, (1, 4, 2, 1, 64, 16), rounds=3, budget_s=1.0)
             assert row["rounds"] == 3 and all(value > 0 for key, value in row.items() if isinstance(value, float))
+    row = decode_bench.depth_row((1, 4, 2, 1, 64, 16), layers=3, rounds=3, budget_s=1.0)
+    assert row["rounds"] == 3 and all(value > 0 for value in row.values())
+
+
+def test_decode_bench_depth_covers_twice_the_last_level_cache():
+    from bench import decode_bench
+
+    assert decode_bench.last_level_cache_bytes() >= 0
+    assert decode_bench.layers_past_cache(16 << 20, 32 << 20) == 4
+    assert decode_bench.layers_past_cache(17 << 20, 32 << 20) == 4  # rounded up: 3 would hold less than twice
+    assert decode_bench.layers_past_cache(134 << 20, 32 << 20) == 2  # one layer past the cache still gets a second
+    assert decode_bench.layers_past_cache(16 << 20, 0) == 2
 
 
 def test_call_cost_rows_on_a_small_shape(capsys):
