@@ -12,8 +12,9 @@ read in place by `forward_paged`, against the bf16 cache's call of the first tab
 and against a copy of their own bytes (target: read at ≥ 60 % of the copy's rate). Then the same steps through
 a model's depth: layers with caches of their own, together twice the CPU's last-level cache, so that each is read
 from memory as in serving (the tables before read one cache again and again, from the last-level cache where it
-fits), with a paged bf16 cache against the same rows dense. Then one generation step and one chunk of a prefill through `attention_with_kvcache` against SDPA over
-the same keys, dense and paged (target: paged within 10 % of dense).
+fits), with a paged bf16 cache against the same rows dense. Then one generation step and one chunk of a prefill
+through `attention_with_kvcache` against SDPA over the same keys, dense and paged (target: paged within 10 % of
+dense).
 
     python -m bench.decode_bench [--dtypes fp32 bf16] [--caches fp8 int8] [--rounds 30] [--layers N]
 """
@@ -357,9 +358,9 @@ def main(argv=None) -> int:
             row = depth_row(shape, layers, args.rounds, args.budget)
             print(f"| {', '.join(map(str, shape))} | {layers} | {row['bf16_us']:.0f} | {row['sdpa_us']:.0f} | "
                   f"{row['int8_us']:.0f} | {row['fp8_us']:.0f} | {row['vs_sdpa']:.2f} | {row['int8_vs_bf16']:.2f} | "
-                  f"{row['fp8_vs_bf16']:.2f} | {row['paged_vs_rows']:.2f} | {row['bf16_copy_share']:.2f}, {row['int8_copy_share']:.2f}, "
-                  f"{row['fp8_copy_share']:.2f} | {row['copy_bf16_gb_s']:.1f}, {row['copy_8bit_gb_s']:.1f} | "
-                  f"{row['rounds']} |", flush=True)
+                  f"{row['fp8_vs_bf16']:.2f} | {row['paged_vs_rows']:.2f} | {row['bf16_copy_share']:.2f}, "
+                  f"{row['int8_copy_share']:.2f}, {row['fp8_copy_share']:.2f} | {row['copy_bf16_gb_s']:.1f}, "
+                  f"{row['copy_8bit_gb_s']:.1f} | {row['rounds']} |", flush=True)
     print()
     print(f"attention_with_kvcache, B=1, H_q=32, H_kv=8, D=128, one token (a generation step) or {PREFILL_CHUNK} (a "
           "chunk of a prefill, causal) appended to the rest of 4000 keys in a 4096-key cache (a (B, L_max, H_kv, D) "

@@ -83,6 +83,30 @@ def test_dense_cache_appends_in_place_and_attends(generator, dtype, len_q, len_n
     check(actual, query, expected_k, expected_v, lengths, is_causal=True, alibi_slopes=slopes, **options)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("len_q", [1, 3])
+def test_long_cache_of_token_rows_gives_the_definition(generator, cache_dtype, len_q):
+    # (B, L_max, H_kv, D) buffers, as in the test above, over more keys than one split of the cpu decode kernels
+    # takes where a token's heads lie side by side (512): the items go head by head within each split. Sequences of
+    # the whole cache, of one split and a few keys, and empty; an int8 cache under per-sequence scales.
+    capacity, heads_kv = 1300, 4
+    dtype = torch.bfloat16 if cache_dtype == torch.int8 else cache_dtype
+    lengths = torch.tensor([capacity, 517, 0], dtype=torch.int32)
+    query = torch.randn(3, 8, len_q, DIM, generator=generator).to(dtype)
+    k_cache, v_cache = (random_cache_values(generator, (3, capacity, heads_kv, DIM), cache_dtype).transpose(1, 2)
+                        for _ in range(2))
+    scales = {}
+    keys, values = k_cache, v_cache
+    if cache_dtype == torch.int8:
+        scales = dict(k_scale=torch.rand(3, heads_kv, generator=generator) / 64 + 1e-3,
+                      v_scale=torch.rand(3, heads_kv, generator=generator) / 64 + 1e-3)
+        keys, values = dequantized(k_cache, scales["k_scale"], torch.float32), dequantized(v_cache, scales["v_scale"],
+                                                                                              torch.float32)
+    actual = fused_attn.attention_with_kvcache(query, k_cache, v_cache, cache_seqlens=lengths, return_lse=True,
+                                               backend="cpu", **scales)
+    check(actual, query, keys, values, lengths, is_causal=True)
+
+
 def unseen_value(dtype: torch.dtype):
     """What fills memory no call may read: NaN, or for int8 (no NaN) -128, which no quantized value is."""
     return -128 if dtype == torch.int8 else float("nan")

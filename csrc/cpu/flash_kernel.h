@@ -2093,11 +2093,26 @@ inline bool takes_decode_path(const Params& p) {
   return p.use_decode && p.len_q > 0 && p.len_q <= kDecodeMaxQueries && !p.program.present();
 }
 
+// Keys of a split where the heads' rows of a token lie side by side (heads_within_tokens). (Spans of 2 MiB of K and
+// V, 128 keys at H_kv = 32, gained less: bench/NOTES.md section 84.)
+constexpr int64_t kTokenMajorSplitKeys = 512;
+
+// Whether K's and V's heads lie within each token's row of the cache ((B, L, H_kv, D), and paged blocks), not
+// each head's keys one after another ((B, H_kv, L, D)).
+inline bool heads_within_tokens(const Params& p) {
+  return p.heads_kv > 1 && p.key.s[1] < p.key.s[2] && p.value.s[1] < p.value.s[2];
+}
+
 // Key splits per (batch, key/value head): doubled while there are fewer than two items per thread
-// and each split keeps at least 512 keys.
+// and each split keeps at least 512 keys. Where the heads lie within the tokens, at least one split per
+// kTokenMajorSplitKeys keys too: the items then go head by head within a split (decode_impl), so the threads read
+// every head's rows of one span of tokens before the next, not one head's rows 2 KiB apart (H_kv = 8, D = 128, bf16)
+// across the whole cache, which took 1.2–1.6× the time of the same bytes laid out head after head (bench/NOTES.md
+// section 84).
 inline int64_t decode_splits(const Params& p, int64_t threads) {
   int64_t splits = 1;
   while (p.batch * p.heads_kv * splits < 2 * threads && p.len_k / (2 * splits) >= 512) splits *= 2;
+  if (heads_within_tokens(p)) splits = std::max(splits, (p.len_k + kTokenMajorSplitKeys - 1) / kTokenMajorSplitKeys);
   return splits;
 }
 
@@ -2113,6 +2128,7 @@ void decode_impl(const Params& p) {
   const int64_t BKpad = vnni ? round_up(BK, 2) : BK;
   const int64_t splits = decode_splits(p, at::get_num_threads());
   const int64_t items = p.batch * p.heads_kv * splits;
+  const bool token_major = heads_within_tokens(p);  // items head by head within a split
   // K rows feed the scores, and V rows the B operand of P V, as they lie when they are float and
   // contiguous along D (a paged float cache's, under few rows, through the stored readers below); bf16/fp16 rows
   // computed in float are converted row by row (no transpose), and an 8-bit cache's rows dequantized so.
@@ -2173,7 +2189,11 @@ void decode_impl(const Params& p) {
     ct* pbuf = buffers.probs;
 
     for (int64_t item; (item = next_item()) >= 0;) {
-      const int64_t split = item % splits, hk = (item / splits) % p.heads_kv, b = item / (splits * p.heads_kv);
+      // slot: the item's place among its (batch row, head)'s splits, which the merge reads in order.
+      const int64_t b = item / (splits * p.heads_kv);
+      const int64_t split = token_major ? (item / p.heads_kv) % splits : item % splits;
+      const int64_t hk = token_major ? item % p.heads_kv : (item / splits) % p.heads_kv;
+      const int64_t slot = (b * p.heads_kv + hk) * splits + split;
       for (int64_t g = 0; g < groups; ++g) {
         const scalar_t* q_head = Q + b * p.query.s[0] + (hk * groups + g) * p.query.s[1];
         pack_a(qbuf + g * Lq * Dpad, Dpad, q_head, p.query.s[2], p.query.s[3], Lq, D);
@@ -2274,9 +2294,9 @@ void decode_impl(const Params& p) {
         } else {
           // The splits are merged below, where the sink joins once.
           const acc_t lse = seen || std::isnan(row_shift[r]) ? row_shift[r] + std::log(row_sum[r]) : neg_inf<acc_t>();
-          acc_t* out = partial_out.data() + (item * rows + r) * Dv;
+          acc_t* out = partial_out.data() + (slot * rows + r) * Dv;
           for (int64_t d = 0; d < Dv; ++d) out[d] = seen ? obuf[r * Dv + d] / row_sum[r] : acc_t(0);
-          partial_lse[item * rows + r] = lse;
+          partial_lse[slot * rows + r] = lse;
         }
       }
     }
