@@ -123,6 +123,7 @@ def paged_call(q, k, v, cache_dtype, per_token=False, block_size=None, generator
     table = torch.arange(batch, dtype=torch.int32)[:, None]
     if block_size is not None:
         assert not per_token, "shuffled blocks take per-sequence scales"
+        assert len_k % block_size == 0, f"{len_k} keys do not fill blocks of {block_size}"
         per_sequence = len_k // block_size
         table = torch.randperm(batch * per_sequence, generator=generator).view(batch, per_sequence).int()
 
@@ -154,7 +155,7 @@ def paged_call(q, k, v, cache_dtype, per_token=False, block_size=None, generator
             results[dtype] = expected
     allowed = testing.allowed_error("out", results[torch.float64], results[torch.bfloat16], torch.bfloat16)
     error = testing.max_error(out, results[torch.float64])
-    assert error <= allowed, f"8-bit cache: error {error:.3e} > allowed {allowed:.3e}"
+    assert error <= allowed, f"{cache_dtype} cache: error {error:.3e} > allowed {allowed:.3e}"
     parts = [t for t in (k_blocks, v_blocks, k_scale, v_scale) if t is not None]
     return call, torch.cat([t.flatten().view(torch.int8) for t in parts])
 
@@ -211,7 +212,7 @@ def depth_row(shape, layers, rounds, budget_s) -> dict:
     after layer, so each layer's cache is read after the others' have passed through the caches of the CPU.
     Interleaved: the cpu backend over each cache, SDPA over the bf16 one, the bf16 cache as (B, L_k, H_kv, D) rows
     (`rows`: the layout of attention_with_kvcache's dense caches) and as shuffled blocks of PAGED_BLOCK keys
-    (`paged`), both through forward_paged, and copies of each layer's bf16 bytes and 8-bit bytes (int8's; fp8's are
+    (`paged`), both through forward_paged, and copies of each layer's bf16 bytes and 8-bit bytes (fp8's; int8's are
     as many) into one preallocated destination each. Times are per layer."""
     generator = torch.Generator().manual_seed(0)
     q = bf16_inputs(shape, generator)[0]
@@ -228,15 +229,15 @@ def depth_row(shape, layers, rounds, budget_s) -> dict:
             steps[name].append(call)
         for name, block_size in (("bf16_rows", None), ("bf16_paged", PAGED_BLOCK)):
             steps[name].append(paged_call(q, k, v, torch.bfloat16, block_size=block_size, generator=generator)[0])
-        destinations.setdefault("bf16", torch.empty_like(kv))
-        destinations.setdefault("8bit", torch.empty_like(bytes_read))
+        if not destinations:
+            destinations.update(bf16=torch.empty_like(kv), eight_bit=torch.empty_like(bytes_read))
         steps["copy_bf16"].append(lambda src=kv: destinations["bf16"].copy_(src))
-        steps["copy_8bit"].append(lambda src=bytes_read: destinations["8bit"].copy_(src))
+        steps["copy_8bit"].append(lambda src=bytes_read: destinations["eight_bit"].copy_(src))
     runs = {name: (lambda calls=calls: [call() for call in calls]) for name, calls in steps.items()}
     with torch.inference_mode():
         samples = timing.interleaved_samples(runs, rounds, warmup=2, budget_s=budget_s)
     seconds = {name: statistics.median(values) / layers for name, values in samples.items()}
-    bytes_bf16, bytes_8bit = destinations["bf16"].numel() * 2, destinations["8bit"].numel()
+    bytes_bf16, bytes_8bit = destinations["bf16"].numel() * 2, destinations["eight_bit"].numel()
     return {"rounds": len(samples["bf16"]), **{f"{name}_us": t * 1e6 for name, t in seconds.items()},
             "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["bf16"]),
             **{f"{name}_vs_bf16": timing.median_ratio(samples["bf16"], samples[name]) for name in ("int8", "fp8")},

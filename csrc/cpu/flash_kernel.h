@@ -2103,16 +2103,29 @@ inline bool heads_within_tokens(const Params& p) {
   return p.heads_kv > 1 && p.key.s[1] < p.key.s[2] && p.value.s[1] < p.value.s[2];
 }
 
+// The most keys the queries of one batch row see between them (a split's share is of those, not of the cache's
+// capacity, which may be far longer than its sequences).
+inline int64_t most_seen_keys(const Params& p) {
+  int64_t most = 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const KeyRange span = key_span(p, b);
+    most = std::max(most, visible_keys(p, p.len_q - 1, span).end - visible_keys(p, 0, span).first);
+  }
+  return most;
+}
+
 // Key splits per (batch, key/value head): doubled while there are fewer than two items per thread
 // and each split keeps at least 512 keys. Where the heads lie within the tokens, at least one split per
-// kTokenMajorSplitKeys keys too: the items then go head by head within a split (decode_impl), so the threads read
+// kTokenMajorSplitKeys keys that a batch row sees too: the items then go head by head within a split (decode_impl), so the threads read
 // every head's rows of one span of tokens before the next, not one head's rows 2 KiB apart (H_kv = 8, D = 128, bf16)
 // across the whole cache, which took 1.2–1.6× the time of the same bytes laid out head after head (bench/NOTES.md
 // section 84).
 inline int64_t decode_splits(const Params& p, int64_t threads) {
   int64_t splits = 1;
   while (p.batch * p.heads_kv * splits < 2 * threads && p.len_k / (2 * splits) >= 512) splits *= 2;
-  if (heads_within_tokens(p)) splits = std::max(splits, (p.len_k + kTokenMajorSplitKeys - 1) / kTokenMajorSplitKeys);
+  if (heads_within_tokens(p)) {
+    splits = std::max(splits, (most_seen_keys(p) + kTokenMajorSplitKeys - 1) / kTokenMajorSplitKeys);
+  }
   return splits;
 }
 
