@@ -86,11 +86,12 @@ def test_dense_cache_appends_in_place_and_attends(generator, dtype, len_q, len_n
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("len_q", [1, 3])
 def test_long_cache_of_token_rows_gives_the_definition(generator, cache_dtype, len_q):
-    # (B, L_max, H_kv, D) buffers, as in the test above, over more keys than one split of the cpu decode kernels
-    # takes where a token's heads lie side by side (512): the items go head by head within each split. Sequences of
-    # the whole cache, of one split and a few keys, and empty; an int8 cache under per-sequence scales. D = 80: the
-    # AVX512-BF16 copy's pairs (32 values of a key row, 64 of a value row at two query rows) and their float tails.
-    capacity, heads_kv, dim = 1300, 4, 80
+    # (B, L_max, H_kv, D) buffers, as in the test above, over more keys than the cpu decode kernels split every
+    # 512 where a token's heads lie side by side (2048 and more): the items go head by head within each split.
+    # Sequences of the whole cache, of one split and a few keys, and empty; an int8 cache under per-sequence scales.
+    # D = 80: the AVX512-BF16 copy's pairs (32 values of a key row, 64 of a value row at two query rows) and their
+    # float tails.
+    capacity, heads_kv, dim = 2600, 4, 80
     dtype = torch.bfloat16 if cache_dtype == torch.int8 else cache_dtype
     lengths = torch.tensor([capacity, 517, 0], dtype=torch.int32)
     query = torch.randn(3, 8, len_q, dim, generator=generator).to(dtype)

@@ -2096,6 +2096,9 @@ inline bool takes_decode_path(const Params& p) {
 // Keys of a split where the heads' rows of a token lie side by side (heads_within_tokens). (Spans of 2 MiB of K and
 // V, 128 keys at H_kv = 32, gained less: bench/NOTES.md section 84.)
 constexpr int64_t kTokenMajorSplitKeys = 512;
+// Fewer keys than this keep the splits they had: at 1000 keys (B = 1, H_kv = 8, bf16) two splits took about 1.2× the
+// time of one, measured across processes (bench/NOTES.md section 84).
+constexpr int64_t kTokenMajorMinKeys = 2048;
 
 // Whether K's and V's heads lie within each token's row of the cache ((B, L, H_kv, D), and paged blocks), not
 // each head's keys one after another ((B, H_kv, L, D)).
@@ -2115,16 +2118,17 @@ inline int64_t most_seen_keys(const Params& p) {
 }
 
 // Key splits per (batch, key/value head): doubled while there are fewer than two items per thread
-// and each split keeps at least 512 keys. Where the heads lie within the tokens, at least one split per
-// kTokenMajorSplitKeys keys that a batch row sees too: the items then go head by head within a split (decode_impl), so the threads read
-// every head's rows of one span of tokens before the next, not one head's rows 2 KiB apart (H_kv = 8, D = 128, bf16)
-// across the whole cache, which took 1.2–1.6× the time of the same bytes laid out head after head (bench/NOTES.md
-// section 84).
+// and each split keeps at least 512 keys. Where the heads lie within the tokens and a batch row sees at least
+// kTokenMajorMinKeys keys, at least one split per kTokenMajorSplitKeys of them too: the items then go head by head
+// within a split (decode_impl), so the threads read every head's rows of one span of tokens before the next, not one
+// head's rows 2 KiB apart (H_kv = 8, D = 128, bf16) across the whole cache, which took 1.07–1.18× the time
+// (bench/NOTES.md section 84).
 inline int64_t decode_splits(const Params& p, int64_t threads) {
   int64_t splits = 1;
   while (p.batch * p.heads_kv * splits < 2 * threads && p.len_k / (2 * splits) >= 512) splits *= 2;
-  if (heads_within_tokens(p)) {
-    splits = std::max(splits, (most_seen_keys(p) + kTokenMajorSplitKeys - 1) / kTokenMajorSplitKeys);
+  const int64_t seen = heads_within_tokens(p) ? most_seen_keys(p) : 0;
+  if (seen >= kTokenMajorMinKeys) {
+    splits = std::max(splits, (seen + kTokenMajorSplitKeys - 1) / kTokenMajorSplitKeys);
   }
   return splits;
 }
