@@ -4,8 +4,9 @@ For every row, in one process with the same inputs and threads, the candidates r
 (one call each per round) and the table gives the median over rounds of the time ratio
 SDPA / cpu (> 1: the cpu backend is faster), the same ratio against the einsum reference, and the
 cpu backend's FLOP rate as a fraction of the machine's GEMM rate (a large torch.mm in the same
-dtype, timed right after each row's rounds, as many calls as the row had rounds: interleaved with
-the attention calls it would evict their inputs from the caches before whichever ran next).
+dtype, or in float32 where the kernels convert its operands to float, timed right after each row's
+rounds, as many calls as the row had rounds: interleaved with the attention calls it would evict
+their inputs from the caches before whichever ran next).
 FLOPs: 4·B·H·L²·D, half for causal, ×3.5 forward+backward.
 
     python -m bench.cpu_bench [--dtypes fp32 bf16] [--modes fwd fwdbwd] [--rounds 21]
@@ -60,6 +61,13 @@ def bench_row(dtype, shape, causal, backward, rounds, budget_s, with_reference, 
     }
 
 
+def gemm_dtype(dtype):
+    """The dtype whose torch.mm rate is the cpu backend's limit: the call's own, or float32 where the kernels convert
+    its operands to float (`cpu_kernels` says so; there, as on an AVX2-only CPU, torch.mm in bf16 is a slow
+    reference path, and timing it took a minute a row)."""
+    return torch.float32 if "converted to float" in torch.ops.fused_attn.cpu_kernels(dtype) else dtype
+
+
 def gemm_call_for(dtype, n=2048):
     a = torch.randn(n, n).to(dtype)
     bm = torch.randn(n, n).to(dtype)
@@ -77,7 +85,9 @@ TARGETS = {("fwd", torch.float32): 1.0, ("fwd", torch.bfloat16): 1.2, ("fwdbwd",
 def run_table(args):
     print(report.machine_description(torch.device("cpu")))
     for dtype_name in args.dtypes:  # the kernels' instruction-set copy and what computes the products
-        print(f"cpu backend, {dtype_name}: {torch.ops.fused_attn.cpu_kernels(DTYPES[dtype_name])}")
+        dtype = DTYPES[dtype_name]
+        print(f"cpu backend, {dtype_name}: {torch.ops.fused_attn.cpu_kernels(dtype)} "
+              f"(of GEMM: of torch.mm's {gemm_dtype(dtype)} rate)")
     print()
     print("| dtype | B | H | L | D | causal | pass | cpu ms | SDPA ms | ×SDPA (median of ratios) | target "
           "| ×reference | GFLOP/s | of GEMM | rounds |")
@@ -85,7 +95,7 @@ def run_table(args):
     shapes = ISSUE_SHAPES if args.shapes == "issue" else QUICK_SHAPES
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
-        gemm = gemm_call_for(dtype)
+        gemm = gemm_call_for(gemm_dtype(dtype))
         for mode in args.modes:
             for shape in shapes:
                 for causal in (False, True):

@@ -218,7 +218,7 @@ def depth_row(shape, layers, rounds, budget_s) -> dict:
     q = bf16_inputs(shape, generator)[0]
     gqa = shape[1] != shape[2]
     steps = {name: [] for name in ("bf16", "sdpa", "int8", "fp8", "bf16_rows", "bf16_paged", "copy_bf16", "copy_8bit")}
-    destinations = {}
+    destinations = None  # (bf16 bytes, 8-bit bytes): one preallocated pair that every layer's copies write
     for _layer in range(layers):
         k, v = bf16_inputs(shape, generator)[1:]
         kv = torch.cat([k.flatten(), v.flatten()])
@@ -229,15 +229,14 @@ def depth_row(shape, layers, rounds, budget_s) -> dict:
             steps[name].append(call)
         for name, block_size in (("bf16_rows", None), ("bf16_paged", PAGED_BLOCK)):
             steps[name].append(paged_call(q, k, v, torch.bfloat16, block_size=block_size, generator=generator)[0])
-        if not destinations:
-            destinations.update(bf16=torch.empty_like(kv), eight_bit=torch.empty_like(bytes_read))
-        steps["copy_bf16"].append(lambda src=kv: destinations["bf16"].copy_(src))
-        steps["copy_8bit"].append(lambda src=bytes_read: destinations["eight_bit"].copy_(src))
+        destinations = destinations or (torch.empty_like(kv), torch.empty_like(bytes_read))
+        steps["copy_bf16"].append(lambda src=kv, dst=destinations[0]: dst.copy_(src))
+        steps["copy_8bit"].append(lambda src=bytes_read, dst=destinations[1]: dst.copy_(src))
     runs = {name: (lambda calls=calls: [call() for call in calls]) for name, calls in steps.items()}
     with torch.inference_mode():
         samples = timing.interleaved_samples(runs, rounds, warmup=2, budget_s=budget_s)
     seconds = {name: statistics.median(values) / layers for name, values in samples.items()}
-    bytes_bf16, bytes_8bit = destinations["bf16"].numel() * 2, destinations["eight_bit"].numel()
+    bytes_bf16, bytes_8bit = destinations[0].numel() * 2, destinations[1].numel()
     return {"rounds": len(samples["bf16"]), **{f"{name}_us": t * 1e6 for name, t in seconds.items()},
             "vs_sdpa": timing.median_ratio(samples["sdpa"], samples["bf16"]),
             **{f"{name}_vs_bf16": timing.median_ratio(samples["bf16"], samples[name]) for name in ("int8", "fp8")},

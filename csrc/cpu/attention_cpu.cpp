@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <unistd.h>
 #include <vector>
 
 #include "../block_mask_args.h"
@@ -226,6 +227,37 @@ bool env_flag(const char* name, bool fallback) {
   return value == "1";
 }
 
+// The L2 of one core, as the C library reports it (sysconf), or 0 where it reports none.
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+    return std::max<int64_t>(sysconf(_SC_LEVEL2_CACHE_SIZE), 0);
+#else
+    return int64_t{0};
+#endif
+  }();
+  return bytes;
+}
+
+// The forward's longest key block, of 512, 256 and 128 keys, whose working set fits a core's L2: the Kᵀ and V blocks
+// and the query rows in the products' operand type (2 bytes where bf16 goes to oneDNN as it is, else float's 4), the
+// float scores (and the weights, where they are 16-bit), and the float output rows. At D = 128 in float, 512 keys
+// make 896 KiB against Zen 3's 512 KiB, whose forward was 12-21 % slower there than at 256 (bench/NOTES.md section
+// 85); at 1 MiB and more every head dim up to 128 keeps 512. 512 where the L2's size is unknown.
+int64_t forward_block_keys(const Params& p, int64_t block_q) {
+  const int64_t l2 = l2_cache_bytes();
+  if (l2 == 0) return 512;
+  const int64_t operand = p.dtype == Dtype::Float64 ? 8 : (p.bf16_brgemm ? 2 : 4);
+  const int64_t accumulator = p.dtype == Dtype::Float64 ? 8 : 4;
+  const auto working_set = [&](int64_t keys) {
+    return keys * (p.dim_qk + p.dim_v) * operand + block_q * keys * (accumulator + (operand < 4 ? operand : 0)) +
+           block_q * (p.dim_qk * operand + p.dim_v * accumulator);
+  };
+  int64_t keys = 512;
+  while (keys > 128 && working_set(keys) > l2) keys /= 2;
+  return keys;
+}
+
 void choose_tiling(Params& p, bool backward) {
   // Larger query blocks amortise the packing of each key block over more rows; the forward keeps
   // a (block_q × block_k) score block per thread in L2.
@@ -235,8 +267,13 @@ void choose_tiling(Params& p, bool backward) {
   // blocks into 32-row parts instead).
   const bool narrow_window = backward && !program && p.window_left >= 0 && p.window_right >= 0 &&
                              p.window_left + p.window_right <= 256;
+  // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
+  p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();
+  p.bf16_brgemm = p.use_brgemm && p.dtype == Dtype::BFloat16 && brgemm_usable<c10::BFloat16>();
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", narrow_window ? 32 : backward || program ? 64 : 128);
-  p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : 512);
+  // A decode call's blocks are keys of a few rows (decode_impl), whose 512 the rule below does not measure.
+  const bool few_rows = p.len_q <= kDecodeMaxQueries;
+  p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : few_rows ? 512 : forward_block_keys(p, p.block_q));
   if (program) {
     // A program's tiles decide whole blocks: query blocks divide its rows; key blocks are runs of its
     // tiles' columns (a multiple of kTile: 128-key blocks cost the forward 15-19 % against 512 and the
@@ -244,9 +281,6 @@ void choose_tiling(Params& p, bool backward) {
     p.block_q = std::gcd(p.block_q, fused_attn::kTile);
     p.block_k = std::max(fused_attn::kTile, p.block_k / fused_attn::kTile * fused_attn::kTile);
   }
-  // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
-  p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();
-  p.bf16_brgemm = p.use_brgemm && p.dtype == Dtype::BFloat16 && brgemm_usable<c10::BFloat16>();
   p.use_decode = env_flag("FUSED_ATTN_CPU_DECODE", true);
   p.poison_scratch = env_flag("FUSED_ATTN_CPU_POISON_SCRATCH", false);
 }

@@ -522,7 +522,12 @@ C10_ALWAYS_INLINE __m512bh load_stored_pairs(const Elem* src) {
 // upper halves of their float readings, which are bf16 exactly (load_stored_pairs).
 template <CacheType kType, typename Elem>
 C10_ALWAYS_INLINE __m512bh interleaved_pairs(const Elem* a, const Elem* b) {
-  const __m512i low = _mm512_srli_epi32(_mm512_castps_si512(load_stored<kType>(a)), 16);
+  __m512i low;
+  if constexpr (std::is_same_v<Elem, c10::BFloat16>) {  // a plain bf16 row's values, zero-extended, are the low halves
+    low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  } else {
+    low = _mm512_srli_epi32(_mm512_castps_si512(load_stored<kType>(a)), 16);
+  }
   return std::bit_cast<__m512bh>(_mm512_mask_blend_epi16(0xAAAAAAAA, low, _mm512_castps_si512(load_stored<kType>(b))));
 }
 #else
@@ -1647,7 +1652,7 @@ void forward_impl(const Params& p) {
 // threads idle, each head's keys are split between items, whose partial outputs merge through their
 // log-sum-exps (flash-decoding).
 
-constexpr int64_t kDecodeMaxQueries = 16;
+// (kDecodeMaxQueries, flash_params.h: at most that many queries take this path.)
 // Up to this many rows per item, float scores are dot products of each key row as it lies; more rows
 // amortise a transpose of the K block for the block product.
 constexpr int64_t kDotRows = 8;
@@ -1943,56 +1948,51 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
   // Row r's weights of keys 2i and 2i + 1 as one pair of bf16, the first low.
   __at_align__ c10::BFloat16 paired_weights[R * kValueRun];
   const bool pairs = bf16_weights && R >= 2;
-  // As `pass`, over the first m keys of `run` two at a time (m even).
-  const auto pass_pairs = [&](auto chunks, int64_t d, const void* const* run, int64_t m, const void* const* next,
-                              int64_t ahead) {
-    constexpr int kChunks = decltype(chunks)::value;
-    __m512 acc[kChunks][R];
-    for (int c = 0; c < kChunks; ++c) {
-      for (int r = 0; r < R; ++r) acc[c][r] = _mm512_loadu_ps(o + r * ldo + d + c * W);
-    }
-    for (int64_t j = 0; j < m; j += 2) {
-      for (int64_t i = j; i < std::min(j + 2, ahead); ++i) prefetch_rows(stored_row<kType, PlainT>(next[i]), 0, 1, Dv);
-      const auto* first = stored_row<kType, PlainT>(run[j]) + d;
-      const auto* second = stored_row<kType, PlainT>(run[j + 1]) + d;
-      for (int c = 0; c < kChunks; ++c) {
-        const __m512bh stored = interleaved_pairs<kType>(first + c * W, second + c * W);
-        for (int r = 0; r < R; ++r) {
-          uint32_t weight_pair;
-          std::memcpy(&weight_pair, paired_weights + r * kValueRun + j, sizeof weight_pair);
-          const auto weight = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(weight_pair)));
-          acc[c][r] = _mm512_dpbf16_ps(acc[c][r], stored, weight);
-        }
-      }
-    }
-    for (int64_t i = m; i < ahead; ++i) prefetch_rows(stored_row<kType, PlainT>(next[i]), 0, 1, Dv);
-    for (int c = 0; c < kChunks; ++c) {
-      for (int r = 0; r < R; ++r) _mm512_storeu_ps(o + r * ldo + d + c * W, acc[c][r]);
-    }
-  };
 #else
   static_cast<void>(bf16_weights);
 #endif
-  // `chunks` vectors from d on, over the keys begin .. m of `run`; the rows of the next run's first `ahead` keys
-  // asked for one per key on the way (all at once, they stall the pass on the cache's fill buffers).
-  const auto pass = [&](auto chunks, int64_t d, const void* const* run, int64_t begin, int64_t m,
+  // `chunks` vectors from d on, over the keys begin .. m of `run`, `step` keys a product: 1, multiply-adds in float,
+  // or 2 (m - begin even, AVX512_BF16 copy only), one vdpbf16ps a row over the two keys' interleaved values and
+  // paired_weights. The rows of the next run's first `ahead` keys are asked for one per key on the way (all at once,
+  // they stall the pass on the cache's fill buffers).
+  const auto pass = [&](auto chunks, auto step, int64_t d, const void* const* run, int64_t begin, int64_t m,
                         const void* const* next, int64_t ahead) {
-    constexpr int kChunks = decltype(chunks)::value;
+    constexpr int kChunks = decltype(chunks)::value, kStep = decltype(step)::value;
     V acc[kChunks][R];
     for (int c = 0; c < kChunks; ++c) {
       for (int r = 0; r < R; ++r) acc[c][r] = V::loadu(o + r * ldo + d + c * W);
     }
-    for (int64_t j = begin; j < m; ++j) {
-      if (j < ahead) prefetch_rows(stored_row<kType, PlainT>(next[j]), 0, 1, Dv);
-      for (int c = 0; c < kChunks; ++c) {
-        const V stored = load_stored<kType>(stored_row<kType, PlainT>(run[j]) + d + c * W);
-        for (int r = 0; r < R; ++r) acc[c][r] = at::vec::fmadd(V(weights[r * kValueRun + j]), stored, acc[c][r]);
+    for (int64_t j = begin; j < m; j += kStep) {
+      for (int64_t i = j; i < std::min<int64_t>(j + kStep, ahead); ++i) {
+        prefetch_rows(stored_row<kType, PlainT>(next[i]), 0, 1, Dv);
+      }
+      if constexpr (kStep == 1) {
+        for (int c = 0; c < kChunks; ++c) {
+          const V stored = load_stored<kType>(stored_row<kType, PlainT>(run[j]) + d + c * W);
+          for (int r = 0; r < R; ++r) acc[c][r] = at::vec::fmadd(V(weights[r * kValueRun + j]), stored, acc[c][r]);
+        }
+      } else {
+#if defined(FUSED_ATTN_AVX512_BF16)
+        const auto* first = stored_row<kType, PlainT>(run[j]) + d;
+        const auto* second = stored_row<kType, PlainT>(run[j + 1]) + d;
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512bh stored = interleaved_pairs<kType>(first + c * W, second + c * W);
+          for (int r = 0; r < R; ++r) {
+            uint32_t weight_pair;
+            std::memcpy(&weight_pair, paired_weights + r * kValueRun + j, sizeof weight_pair);
+            const auto weight = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(weight_pair)));
+            acc[c][r] = _mm512_dpbf16_ps(acc[c][r], stored, weight);
+          }
+        }
+#endif
       }
     }
+    for (int64_t i = m; i < ahead; ++i) prefetch_rows(stored_row<kType, PlainT>(next[i]), 0, 1, Dv);
     for (int c = 0; c < kChunks; ++c) {
       for (int r = 0; r < R; ++r) acc[c][r].store(o + r * ldo + d + c * W);
     }
   };
+  constexpr std::integral_constant<int, 1> one_key{};
   const int64_t full = Dv / W * W;
   for (int64_t j0 = 0; j0 < n; j0 += kValueRun) {
     const int64_t m = std::min(kValueRun, n - j0);
@@ -2009,13 +2009,15 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
       }
       const int64_t even = m / 2 * 2;  // an odd last key goes in float below
       for (; d + C * W <= full; d += C * W, ahead = 0) {
-        pass_pairs(std::integral_constant<int, C>{}, d, run, even, run + m, ahead);
-        if (even < m) pass(std::integral_constant<int, C>{}, d, run, even, m, run + m, 0);
+        pass(std::integral_constant<int, C>{}, std::integral_constant<int, 2>{}, d, run, 0, even, run + m, ahead);
+        if (even < m) pass(std::integral_constant<int, C>{}, one_key, d, run, even, m, run + m, 0);
       }
     }
 #endif
-    for (; d + C * W <= full; d += C * W, ahead = 0) pass(std::integral_constant<int, C>{}, d, run, 0, m, run + m, ahead);
-    for (; d < full; d += W, ahead = 0) pass(std::integral_constant<int, 1>{}, d, run, 0, m, run + m, ahead);
+    for (; d + C * W <= full; d += C * W, ahead = 0) {
+      pass(std::integral_constant<int, C>{}, one_key, d, run, 0, m, run + m, ahead);
+    }
+    for (; d < full; d += W, ahead = 0) pass(std::integral_constant<int, 1>{}, one_key, d, run, 0, m, run + m, ahead);
     for (; d < Dv; ++d) {
       for (int64_t j = 0; j < m; ++j) {
         const float stored = stored_value<kType>(stored_row<kType, PlainT>(run[j])[d]);
@@ -2106,13 +2108,19 @@ inline bool heads_within_tokens(const Params& p) {
   return p.heads_kv > 1 && p.key.s[1] < p.key.s[2] && p.value.s[1] < p.value.s[2];
 }
 
-// The most keys the queries of one batch row see between them (a split's share is of those, not of the cache's
-// capacity, which may be far longer than its sequences).
+// The keys some query of batch row b sees: from the first query's first to the last query's end (a split's share
+// is of those, not of the cache's capacity, which may be far longer than its sequences).
+inline KeyRange seen_keys(const Params& p, int64_t b) {
+  const KeyRange span = key_span(p, b);
+  return {visible_keys(p, 0, span).first, visible_keys(p, p.len_q - 1, span).end};
+}
+
+// The most keys the queries of one batch row see between them.
 inline int64_t most_seen_keys(const Params& p) {
   int64_t most = 0;
   for (int64_t b = 0; b < p.batch; ++b) {
-    const KeyRange span = key_span(p, b);
-    most = std::max(most, visible_keys(p, p.len_q - 1, span).end - visible_keys(p, 0, span).first);
+    const KeyRange seen = seen_keys(p, b);
+    most = std::max(most, seen.end - seen.first);
   }
   return most;
 }
@@ -2220,11 +2228,10 @@ void decode_impl(const Params& p) {
       }
       buffers.start(rows);
       // The keys some row sees, then this split's share of them.
-      const KeyRange span = key_span(p, b);
-      const int64_t seen_first = visible_keys(p, 0, span).first, seen_end = visible_keys(p, Lq - 1, span).end;
-      const int64_t share = (std::max<int64_t>(seen_end - seen_first, 0) + splits - 1) / splits;
-      const int64_t k_begin = std::min(seen_end, seen_first + split * share);
-      const int64_t k_end = std::min(seen_end, k_begin + share);
+      const KeyRange span = key_span(p, b), batch_seen = seen_keys(p, b);
+      const int64_t share = (std::max<int64_t>(batch_seen.end - batch_seen.first, 0) + splits - 1) / splits;
+      const int64_t k_begin = std::min(batch_seen.end, batch_seen.first + split * share);
+      const int64_t k_end = std::min(batch_seen.end, k_begin + share);
       for (int64_t k0 = k_begin, bk; k0 < k_end; k0 += bk) {
         bk = spans_pages ? std::min(BK, k_end - k0) : keys_in_block(p, k0, std::min(BK, k_end - k0));
         const int64_t bkpad = vnni ? round_up(bk, 2) : bk;

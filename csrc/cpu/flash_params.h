@@ -25,6 +25,9 @@ struct View {
   int64_t s[4] = {0, 0, 0, 0};
 };
 
+// Calls of at most this many queries take the decode kernels (flash_kernel.h, takes_decode_path).
+constexpr int64_t kDecodeMaxQueries = 16;
+
 struct Params {
   Dtype dtype = Dtype::Float32;
   int64_t batch = 0, heads_q = 0, heads_kv = 0, len_q = 0, len_k = 0, dim_qk = 0, dim_v = 0;
