@@ -242,7 +242,7 @@ int64_t l2_cache_bytes() {
 // The forward's longest key block, of 512, 256 and 128 keys, whose working set fits a core's L2: the Kᵀ and V blocks
 // and the query rows in the products' operand type (2 bytes where bf16 goes to oneDNN as it is, else float's 4), the
 // float scores (and the weights, where they are 16-bit), and the float output rows. At D = 128 in float, 512 keys
-// make 896 KiB against Zen 3's 512 KiB, whose forward was 12-21 % slower there than at 256 (bench/NOTES.md section
+// make 896 KiB against Zen 3's 512 KiB, where 256 keys made the forward 10-11 % faster (bench/NOTES.md section
 // 85); at 1 MiB and more every head dim up to 128 keeps 512. 512 where the L2's size is unknown.
 int64_t forward_block_keys(const Params& p, int64_t block_q) {
   const int64_t l2 = l2_cache_bytes();
@@ -270,10 +270,11 @@ void choose_tiling(Params& p, bool backward) {
   // Without a float brgemm, bf16/fp16 also compute in float with the built-in micro-kernel.
   p.use_brgemm = env_flag("FUSED_ATTN_CPU_BRGEMM", true) && p.dtype != Dtype::Float64 && brgemm_usable<float>();
   p.bf16_brgemm = p.use_brgemm && p.dtype == Dtype::BFloat16 && brgemm_usable<c10::BFloat16>();
+  p.use_decode = env_flag("FUSED_ATTN_CPU_DECODE", true);
   p.block_q = env_int("FUSED_ATTN_CPU_BLOCK_Q", narrow_window ? 32 : backward || program ? 64 : 128);
   // A decode call's blocks are keys of a few rows (decode_impl), whose 512 the rule below does not measure.
-  const bool few_rows = p.len_q <= kDecodeMaxQueries;
-  p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : few_rows ? 512 : forward_block_keys(p, p.block_q));
+  const bool decode = !backward && takes_decode_path(p);
+  p.block_k = env_int("FUSED_ATTN_CPU_BLOCK_K", backward ? 256 : decode ? 512 : forward_block_keys(p, p.block_q));
   if (program) {
     // A program's tiles decide whole blocks: query blocks divide its rows; key blocks are runs of its
     // tiles' columns (a multiple of kTile: 128-key blocks cost the forward 15-19 % against 512 and the
@@ -281,7 +282,6 @@ void choose_tiling(Params& p, bool backward) {
     p.block_q = std::gcd(p.block_q, fused_attn::kTile);
     p.block_k = std::max(fused_attn::kTile, p.block_k / fused_attn::kTile * fused_attn::kTile);
   }
-  p.use_decode = env_flag("FUSED_ATTN_CPU_DECODE", true);
   p.poison_scratch = env_flag("FUSED_ATTN_CPU_POISON_SCRATCH", false);
 }
 

@@ -1826,6 +1826,27 @@ inline void store_first(const Vectorized<float>& v, float* dst, int64_t count) {
 #endif
 }
 
+// The first `count` lanes of v stored to dst, count <= kLanes: kLanes of them (a whole group) by one plain store of
+// 1, 2, 4 or 8 floats, fewer by store_first. (AVX2's masked store to memory is a microcoded sequence on AMD's cores.)
+template <int kLanes>
+C10_ALWAYS_INLINE void store_lanes(const Vectorized<float>& v, float* dst, int64_t count) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if (count == kLanes) {
+    const __m128 low = _mm256_castps256_ps128(v);
+    if constexpr (kLanes == 8) {
+      return _mm256_storeu_ps(dst, v);
+    } else if constexpr (kLanes == 4) {
+      return _mm_storeu_ps(dst, low);
+    } else if constexpr (kLanes == 2) {
+      return _mm_storel_pi(reinterpret_cast<__m64*>(dst), low);
+    } else if constexpr (kLanes == 1) {
+      return _mm_store_ss(dst, low);
+    }
+  }
+#endif
+  store_first(v, dst, count);
+}
+
 inline Vectorized<float> load_first(const float* src, int64_t count) {
 #if defined(CPU_CAPABILITY_AVX2)
   return _mm256_maskload_ps(src, first_lanes(count));
@@ -1916,7 +1937,7 @@ void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, 
         sums = V::loadu(dots);
       }
       const V factor = factors == nullptr ? V(1.f) : load_first(factors + j0, keys);
-      for (int r = 0; r < R; ++r) store_first(lanes_from(sums, r * kKeys) * factor, s + r * lds + j0, keys);
+      for (int r = 0; r < R; ++r) store_lanes<kKeys>(lanes_from(sums, r * kKeys) * factor, s + r * lds + j0, keys);
     } else {
       const T factor = factors == nullptr ? T(1) : static_cast<T>(factors[j0]);
       for (int r = 0; r < R; ++r) {
@@ -1926,8 +1947,12 @@ void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, 
   }
 }
 
-// Keys per run of add_stored_values: their value rows stay in L1 while every vector of D passes over them.
+// The keys of a run of add_stored_values: as many as make kValueRunBytes of value rows, at least 8 and at most
+// kValueRun. The run's rows stay in L1 while every vector of D passes over them, and the next run's are asked for
+// into it on the way: runs of 64 float rows of 128 values (32 KiB, the whole L1 on Zen 3) made a paged fp32 step
+// 1.27x the time of runs of 12 (bench/NOTES.md section 86); 8-bit rows keep 48 to 64.
 constexpr int64_t kValueRun = 64;
+constexpr int64_t kValueRunBytes = 6144;
 
 // o[r · ldo + d] (= or +=) Σ_j p[r · ldp + j] · factor_j · v_j[d] for r < R, d < Dv, j < n: the stored value rows at
 // values[j]. Per run of keys, the weights p · factor first, then C vectors of D at a time against every key of the
@@ -1994,8 +2019,10 @@ void add_stored_values(const float* p, int64_t ldp, const void* const* values, c
   };
   constexpr std::integral_constant<int, 1> one_key{};
   const int64_t full = Dv / W * W;
-  for (int64_t j0 = 0; j0 < n; j0 += kValueRun) {
-    const int64_t m = std::min(kValueRun, n - j0);
+  const int64_t row_bytes = std::max<int64_t>(Dv, 1) * int64_t{sizeof(StoredElem<kType, PlainT>)};
+  const int64_t run_keys = std::clamp<int64_t>(kValueRunBytes / row_bytes, 8, kValueRun);
+  for (int64_t j0 = 0; j0 < n; j0 += run_keys) {
+    const int64_t m = std::min(run_keys, n - j0);
     const void* const* run = values + j0;
     int64_t ahead = std::min(m, n - (j0 + m));  // the next run's rows, asked for during the first pass
     for (int64_t j = 0; j < m; ++j) {
@@ -2090,11 +2117,6 @@ void stored_values_product(const Params& p, const P* prob, int64_t ldp, int64_t 
   }
 }
 
-// (A program's tiles are read by the long-query kernel: its blocks are the tiles' rows and columns.)
-inline bool takes_decode_path(const Params& p) {
-  return p.use_decode && p.len_q > 0 && p.len_q <= kDecodeMaxQueries && !p.program.present();
-}
-
 // Keys of a split where the heads' rows of a token lie side by side (heads_within_tokens). (Spans of 2 MiB of K and
 // V, 128 keys at H_kv = 32, gained less: bench/NOTES.md section 84.)
 constexpr int64_t kTokenMajorSplitKeys = 512;
@@ -2162,14 +2184,16 @@ void decode_impl(const Params& p) {
   const bool v_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
   // An 8-bit cache's bytes feed both products themselves where they are few rows' and contiguous along D, and so do
   // bf16 rows under at most kDotRows float rows (no float copy of them written and read back), and a paged float
-  // cache's rows (in place too, but walked a key block at a time, not one product per cache block).
+  // cache's key rows (in place too, but walked a key block at a time, not one product per cache block).
   constexpr bool bf16_in_float = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<ct, float>;
   constexpr bool float_rows = std::is_same_v<scalar_t, float> && std::is_same_v<ct, float>;
   const bool stored = quantized ? rows <= kStoredRows
                                 : (bf16_in_float || (float_rows && p.pages != nullptr)) && rows <= kDotRows;
   using PlainRows = std::conditional_t<float_rows, float, c10::BFloat16>;  // what a plain cache is read as
   const bool k_stored = stored && p.key.s[3] == 1;
-  const bool v_stored = stored && p.value.s[3] == 1;
+  // A paged float cache's values feed the block product where they lie, cache block by cache block: oneDNN's
+  // product took 0.87-0.94 of add_stored_values' time there (bench/NOTES.md section 86).
+  const bool v_stored = stored && p.value.s[3] == 1 && (quantized || !float_rows);
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
   // bf16 queries' rows as bf16 too, for the scores against an 8-bit cache's keys under two rows or more, or a bf16
   // cache's under any number (row_dots' pairs); and their weights of the stored values as bf16 (add_stored_values).

@@ -25,7 +25,7 @@ struct View {
   int64_t s[4] = {0, 0, 0, 0};
 };
 
-// Calls of at most this many queries take the decode kernels (flash_kernel.h, takes_decode_path).
+// Calls of at most this many queries take the decode kernels (flash_kernel.h's decode_impl, takes_decode_path).
 constexpr int64_t kDecodeMaxQueries = 16;
 
 struct Params {
@@ -86,6 +86,11 @@ struct Params {
   // tests): a value read before the kernels wrote it then reaches the output.
   bool poison_scratch = false;
 };
+
+// (A program's tiles are read by the long-query kernel: its blocks are the tiles' rows and columns.)
+inline bool takes_decode_path(const Params& p) {
+  return p.use_decode && p.len_q > 0 && p.len_q <= kDecodeMaxQueries && !p.program.present();
+}
 
 // One entry point per instruction set; run() in attention_cpu.cpp picks one. products() names
 // what computes the matrix products of a call of p.dtype, for benchmarks to record.
