@@ -28,8 +28,9 @@ $(INSTALLED): $(SOURCES)
 
 # One pytest-xdist worker per core, up to 4 (TEST_WORKERS=0: all in this process); the static GPU report is compiled
 # once per run and shared by the workers (tests/conftest.py). The slowest 25 tests are listed at the end: where the
-# suite's time goes. `make test` (what CI runs) leaves out the cases marked slow and compiles the static report's
-# sample (bench/triton_report.py, FUSED_ATTN_STATIC_REPORT); `make test-full` runs every case against the whole report.
+# suite's time goes. `make test` (what CI runs) leaves out the cases marked slow, among them all but a sample of the
+# most parametrized tests' cases (SAMPLED_ONE_IN, tests/conftest.py), and compiles the static report's sample
+# (bench/triton_report.py, FUSED_ATTN_STATIC_REPORT); `make test-full` runs every case against the whole report.
 TEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup --durations 25
 

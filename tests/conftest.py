@@ -5,6 +5,8 @@ set before any kernel module is imported, hence here. Tests marked `cuda` skip c
 """
 
 import os
+import zlib
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ if not HAS_CUDA:
 # it, and first in the files' order they held both workers idle for minutes while one core compiled it.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    mark_unsampled_cases_slow(items)
     for item in items:
         if _reads_static_report(item):
             item.add_marker(STATIC_REPORT_GROUP)
@@ -34,6 +37,51 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+# The parametrized tests whose cases the default run (`-m "not slow"`: `make test`, CI) takes one in n of: their
+# cases are one catalogue crossed with dtypes, layouts or backends' variants, each differing from the next in one of
+# these, and together they held half the suite's time. The cases taken are the same on every run and machine (a hash
+# of each case's id), spread over all the parameters; the others are marked slow, and `make test-full` runs them all.
+SAMPLED_ONE_IN = {
+    "test_triton.py::test_descriptor_kernels_match_reference": 4,
+    "test_triton.py::test_mask_programs_match_reference": 3,
+    "test_triton.py::test_score_variants_match_reference": 3,
+    "test_triton.py::test_gradients_bitwise_identical_on_two_runs": 4,
+    "test_triton.py::test_matches_reference": 2,
+    "test_triton.py::test_decode_kernels_match_reference": 2,
+    "test_triton.py::test_sinks_match_reference": 2,
+    "test_triton.py::test_padded_keys_are_never_read": 2,
+    "test_triton.py::test_public_attention_with_autograd": 2,
+    "test_triton.py::test_descriptor_decode_matches_reference": 2,
+    "test_triton.py::test_quantized_paged_caches_match_reference": 2,
+    "test_cpu.py::test_programs_meet_criterion": 3,
+    "test_cpu.py::test_dropout_and_bias_gradient_meet_criterion": 3,
+    "test_cpu.py::test_quantized_cache_meets_criterion": 3,
+    "test_cpu.py::test_score_variants_meet_criterion": 2,
+    "test_cpu.py::test_sinks_meet_criterion": 2,
+    "test_varlen.py::test_matches_padded_definition": 3,
+    "test_cuda_emulated.py::test_emulated_matches_reference": 2,
+    "test_cuda_emulated.py::test_emulated_dropout_and_mask_gradient": 2,
+    "test_cuda_emulated.py::test_emulated_large_heads_and_score_variants": 2,
+    "test_cuda_emulated.py::test_emulated_sinks_match_reference": 2,
+    "test_cuda_emulated.py::test_emulated_decode_kernels_match_reference": 2,
+}
+
+
+def mark_unsampled_cases_slow(items) -> None:
+    """Marks slow the cases of SAMPLED_ONE_IN's tests outside their sample (at least one case of each is kept)."""
+    cases = defaultdict(list)
+    for item in items:
+        test = f"{item.path.name}::{item.originalname}"
+        if test in SAMPLED_ONE_IN and item.get_closest_marker("slow") is None:
+            cases[test].append(item)
+    slow = pytest.mark.slow
+    for test, members in cases.items():
+        taken = [item for item in members if zlib.crc32(item.name.encode()) % SAMPLED_ONE_IN[test] == 0]
+        for item in members:
+            if item not in (taken or members[:1]):
+                item.add_marker(slow)
 
 
 @pytest.fixture

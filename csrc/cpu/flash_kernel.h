@@ -1817,34 +1817,21 @@ inline __m256i first_lanes(int64_t count) {
 }
 #endif
 
-// The first `count` lanes of v stored to dst, and loaded from src (the rest 0).
+// The first `count` lanes of v stored to dst, and loaded from src (the rest 0). On AVX2, 1, 2, 4 or 8 lanes go by one
+// plain store: the masked store to memory is a microcoded sequence on AMD's cores.
 inline void store_first(const Vectorized<float>& v, float* dst, int64_t count) {
 #if defined(CPU_CAPABILITY_AVX2)
-  _mm256_maskstore_ps(dst, first_lanes(count), v);
+  const __m128 low = _mm256_castps256_ps128(v);
+  switch (count) {
+    case 8: return _mm256_storeu_ps(dst, v);
+    case 4: return _mm_storeu_ps(dst, low);
+    case 2: return _mm_storel_pi(reinterpret_cast<__m64*>(dst), low);
+    case 1: return _mm_store_ss(dst, low);
+    default: return _mm256_maskstore_ps(dst, first_lanes(count), v);
+  }
 #else
   v.store(dst, count);
 #endif
-}
-
-// The first `count` lanes of v stored to dst, count <= kLanes: kLanes of them (a whole group) by one plain store of
-// 1, 2, 4 or 8 floats, fewer by store_first. (AVX2's masked store to memory is a microcoded sequence on AMD's cores.)
-template <int kLanes>
-C10_ALWAYS_INLINE void store_lanes(const Vectorized<float>& v, float* dst, int64_t count) {
-#if defined(CPU_CAPABILITY_AVX2)
-  if (count == kLanes) {
-    const __m128 low = _mm256_castps256_ps128(v);
-    if constexpr (kLanes == 8) {
-      return _mm256_storeu_ps(dst, v);
-    } else if constexpr (kLanes == 4) {
-      return _mm_storeu_ps(dst, low);
-    } else if constexpr (kLanes == 2) {
-      return _mm_storel_pi(reinterpret_cast<__m64*>(dst), low);
-    } else if constexpr (kLanes == 1) {
-      return _mm_store_ss(dst, low);
-    }
-  }
-#endif
-  store_first(v, dst, count);
 }
 
 inline Vectorized<float> load_first(const float* src, int64_t count) {
@@ -1937,7 +1924,7 @@ void row_dots(const T* q, int64_t D, const KeyAt& key_at, const float* factors, 
         sums = V::loadu(dots);
       }
       const V factor = factors == nullptr ? V(1.f) : load_first(factors + j0, keys);
-      for (int r = 0; r < R; ++r) store_lanes<kKeys>(lanes_from(sums, r * kKeys) * factor, s + r * lds + j0, keys);
+      for (int r = 0; r < R; ++r) store_first(lanes_from(sums, r * kKeys) * factor, s + r * lds + j0, keys);
     } else {
       const T factor = factors == nullptr ? T(1) : static_cast<T>(factors[j0]);
       for (int r = 0; r < R; ++r) {
@@ -2183,17 +2170,18 @@ void decode_impl(const Params& p) {
   const bool k_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.key.s[3] == 1;
   const bool v_in_place = !vnni && !quantized && std::is_same_v<scalar_t, ct> && p.value.s[3] == 1;
   // An 8-bit cache's bytes feed both products themselves where they are few rows' and contiguous along D, and so do
-  // bf16 rows under at most kDotRows float rows (no float copy of them written and read back), and a paged float
-  // cache's key rows (in place too, but walked a key block at a time, not one product per cache block).
+  // bf16 rows under at most kDotRows float rows (no float copy of them written and read back). So are a paged float
+  // cache's key rows (in place too, but walked a key block at a time, not one product per cache block), while its
+  // values feed the block product where they lie, cache block by cache block: oneDNN's product took 0.87-0.94 of
+  // add_stored_values' time there (bench/NOTES.md section 86).
   constexpr bool bf16_in_float = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<ct, float>;
   constexpr bool float_rows = std::is_same_v<scalar_t, float> && std::is_same_v<ct, float>;
-  const bool stored = quantized ? rows <= kStoredRows
-                                : (bf16_in_float || (float_rows && p.pages != nullptr)) && rows <= kDotRows;
+  const bool few_rows = rows <= (quantized ? kStoredRows : kDotRows);
+  const bool k_stored =
+      few_rows && (quantized || bf16_in_float || (float_rows && p.pages != nullptr)) && p.key.s[3] == 1;
+  const bool v_stored = few_rows && (quantized || bf16_in_float) && p.value.s[3] == 1;
+  const bool stored = k_stored || v_stored;  // rows found in place (found_rows, row_factors)
   using PlainRows = std::conditional_t<float_rows, float, c10::BFloat16>;  // what a plain cache is read as
-  const bool k_stored = stored && p.key.s[3] == 1;
-  // A paged float cache's values feed the block product where they lie, cache block by cache block: oneDNN's
-  // product took 0.87-0.94 of add_stored_values' time there (bench/NOTES.md section 86).
-  const bool v_stored = stored && p.value.s[3] == 1 && (quantized || !float_rows);
   const bool k_as_float_rows = !vnni && !k_in_place && !k_stored;
   // bf16 queries' rows as bf16 too, for the scores against an 8-bit cache's keys under two rows or more, or a bf16
   // cache's under any number (row_dots' pairs); and their weights of the stored values as bf16 (add_stored_values).
