@@ -1,7 +1,7 @@
 """The default run's sample of the most parametrized tests' cases (SAMPLED_ONE_IN, tests/conftest.py)."""
 
 import ast
-import zlib
+import types
 from pathlib import Path
 
 import conftest
@@ -30,8 +30,10 @@ def test_every_sampled_test_exists_and_is_parametrized():
 class FakeCase:
     """What mark_unsampled_cases_slow reads of a collected case, and the markers it adds."""
 
-    def __init__(self, file: str, test: str, params: str, slow: bool = False):
-        self.path, self.originalname, self.name = Path(file), test, f"{test}[{params}]"
+    def __init__(self, file: str, test: str, params: dict, slow: bool = False):
+        self.path, self.originalname = Path(file), test
+        self.name = f"{test}[{'-'.join(map(str, params.values()))}]"
+        self.callspec = types.SimpleNamespace(params=params)
         self.markers = ["slow"] if slow else []
 
     def get_closest_marker(self, name):
@@ -41,26 +43,26 @@ class FakeCase:
         self.markers.append(marker.name)
 
 
-def test_one_case_in_n_stays_in_the_default_run_and_the_rest_are_marked_slow():
-    """About one in n of a sampled test's cases stay, the same ones every time; cases already slow, and other
-    tests' cases, are left as they were; a test whose hash takes no case keeps its first."""
+def test_about_one_case_in_n_stays_with_every_parameter_value_and_the_rest_are_marked_slow():
+    """About one in n of a sampled test's cases stay, the same ones every time, among them a case of every value of
+    every parameter; cases already slow, and other tests' cases, are left as they were."""
     test = next(iter(conftest.SAMPLED_ONE_IN))
     file, name = test.split("::")
     one_in = conftest.SAMPLED_ONE_IN[test]
+    names, dtypes = [f"case{i}" for i in range(60 * one_in)], ["float32", "bfloat16", "float16"]
 
     def collect():
-        cases = [FakeCase(file, name, f"case{i}") for i in range(100 * one_in)]
-        return cases, FakeCase(file, name, "already", slow=True), FakeCase(file, "test_other", "x")
+        cases = [FakeCase(file, name, dict(name=case, dtype=dtype)) for case in names for dtype in dtypes]
+        rare = FakeCase(file, name, dict(name="rare", dtype="float64"))  # the only case of its values
+        return [*cases, rare], FakeCase(file, name, dict(name="already"), slow=True), FakeCase(file, "test_other", {})
 
     cases, already, other = collect()
     conftest.mark_unsampled_cases_slow([*cases, already, other])
-    taken = [case.name for case in cases if "slow" not in case.markers]
-    assert 50 <= len(taken) <= 150, len(taken)
+    taken = [case for case in cases if "slow" not in case.markers]
+    assert len(cases) / one_in <= len(taken) <= 2 * len(cases) / one_in, len(taken)
+    assert {case.callspec.params["name"] for case in taken} == {*names, "rare"}
+    assert {case.callspec.params["dtype"] for case in taken} == {*dtypes, "float64"}
     assert already.markers == ["slow"] and other.markers == []
     again, _, _ = collect()
     conftest.mark_unsampled_cases_slow(again)
-    assert [case.name for case in again if "slow" not in case.markers] == taken
-    outside = next(f"case{i}" for i in range(1000) if zlib.crc32(f"{name}[case{i}]".encode()) % one_in)
-    lone = FakeCase(file, name, outside)  # the only case of its test, outside the sample: it still runs
-    conftest.mark_unsampled_cases_slow([lone])
-    assert lone.markers == []
+    assert [case.name for case in again if "slow" not in case.markers] == [case.name for case in taken]
